@@ -1,0 +1,78 @@
+"""The `dtrain` command. Thin: each command group lives in its own module and is joined here.
+
+Nothing here imports torch, transformers, peft or a cloud SDK: `dtrain --help` stays fast on a
+laptop with only the CLI installed. Commands import what they need inside their functions.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+try:  # typer >= 0.26 vendors click; older releases use the click package
+    from typer._click.exceptions import ClickException
+except ImportError:  # pragma: no cover
+    from click.exceptions import ClickException
+
+from dtrain.cli import console
+from dtrain.common.errors import ExitCode, UserError
+
+app = typer.Typer(
+    name="dtrain",
+    help="Distributed PyTorch training on Google Cloud, on your own machines, or on this one.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback()
+def _global(
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", envvar="DTRAIN_CONFIG", help="config file (default: ./dtrain.toml if present)"),
+    ] = None,
+    debug: Annotated[bool, typer.Option("--debug", envvar="DTRAIN_DEBUG", help="show tracebacks")] = False,
+) -> None:
+    console.state.config_path = config
+    console.state.debug = debug
+
+
+def _register() -> None:
+    # Imported here, not at module top, only to keep the list of groups in one place.
+    from dtrain.cli import config_cmd, runs_cmd, train_cmd
+
+    app.add_typer(config_cmd.app, name="config")
+    app.add_typer(train_cmd.app, name="train")
+    app.command("runs")(runs_cmd.runs)
+
+
+_register()
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Entry point: run the app and turn errors into one line and an exit code."""
+    try:
+        app(args=argv, prog_name="dtrain", standalone_mode=False)
+    except UserError as e:
+        if console.state.debug:
+            console.err.print_exception()
+        console.error(str(e))
+        return int(e.exit_code)
+    except typer.Exit as e:
+        return int(e.exit_code)
+    except typer.Abort:
+        return int(ExitCode.INTERRUPTED)
+    except ClickException as e:
+        e.show()
+        return int(ExitCode.USAGE)
+    except KeyboardInterrupt:
+        return int(ExitCode.INTERRUPTED)
+    return int(console.state.exit_code)
+
+
+def main() -> None:
+    sys.exit(run())

@@ -1,0 +1,456 @@
+"""The CLI's one typed configuration: dtrain.toml, then DTRAIN_* variables, then flags (later wins).
+
+Parsed once, at the CLI edge, into the workloads' own dataclasses: the schema is read from them,
+never retyped here. Every value remembers where it came from, so `dtrain config show` can say,
+and so the launcher can hand a workload only what the user set (`Settings.explicit`), letting a
+resumed run's saved config sit beneath it.
+
+    dtrain.toml        key          environment variable   dataclass
+    [run]              run.X        DTRAIN_X               RunConfig + LaunchConfig
+    [mnist]            mnist.X      DTRAIN_MNIST_X         MnistConfig, less its nested run
+    [clusters.NAME]    clusters.N.X (file only)            ClusterConfig
+
+A command passes its flags as dotted key -> value ({"mnist.epochs": 3, "run.nproc": None}); None
+means "not given". Each option is spelled after its key (run.data_dir is --data-dir), which is
+also how a flag is named as a source.
+
+Everything here is cheap to import: the workload config modules hold dataclasses, not torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import importlib
+import json
+import os
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - 3.10
+    import tomli as tomllib
+
+from dtrain.common.config import RunConfig, build, coerce, field_type, flag, opt, scalar_fields
+from dtrain.common.errors import UserError
+
+CONFIG_FILE = "dtrain.toml"
+ENV_PREFIX = "DTRAIN_"
+# Read by the CLI's global options (--config, --debug), not settings.
+RESERVED_ENV = frozenset({"DTRAIN_CONFIG", "DTRAIN_DEBUG"})
+# Launcher -> workload plumbing; never a user setting.
+INTERNAL_ENV_PREFIX = "DTRAIN_INTERNAL_"
+
+DEFAULT = "default"
+REQUIRED = "required"  # the source of a key that has no default and was not set
+
+# Workload name -> "module:Class" of its config, a kw_only dataclass with one nested RunConfig
+# field. Imported lazily. A new workload is one more entry here: its [section], DTRAIN_<NAME>_*
+# variables and `config show` rows follow from the dataclass.
+WORKLOADS: dict[str, str] = {"mnist": "dtrain.mnist.config:MnistConfig"}
+
+
+@dataclasses.dataclass(kw_only=True)
+class LaunchConfig:
+    """Options only the launcher reads; they live in [run] but are never passed to a workload."""
+
+    nproc: int = opt(0, "processes per node (0: auto: one per GPU; without GPUs, 2 if there are 2+ cores)")
+    cluster: str = opt("", "name of a [clusters.NAME] table in dtrain.toml (empty: this machine)")
+    max_restarts: int = opt(0, "times torchrun restarts failed workers before giving up (--max-restarts)")
+
+    def __post_init__(self) -> None:
+        for name in ("nproc", "max_restarts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+
+
+class ClusterBackend(str, enum.Enum):
+    LOCAL = "local"
+    HOSTS = "hosts"
+    GCP = "gcp"
+
+
+@dataclasses.dataclass(kw_only=True)
+class ClusterConfig:
+    """One [clusters.NAME] table."""
+
+    backend: ClusterBackend = dataclasses.field(
+        metadata={"help": "how the node list is made: local (this machine), hosts (an inventory), gcp"}
+    )
+
+    def __post_init__(self) -> None:
+        self.backend = ClusterBackend(self.backend)
+
+
+class Item(NamedTuple):
+    """One row of `dtrain config show`. `value` is JSON-able (enums as their values)."""
+
+    key: str
+    value: Any
+    source: str
+    help: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "value": self.value, "source": self.source}
+
+
+class _Key(NamedTuple):
+    key: str  # dotted: "run.nproc", "mnist.epochs", "clusters.gpu.backend"
+    section: str  # "run", "mnist", "clusters.gpu"
+    name: str  # the field's name: the flat key dataclasses and workload flags use
+    type: Any
+    default: Any  # dataclasses.MISSING when required
+    help: str
+    owner: type  # the dataclass that builds it
+
+
+class _Value(NamedTuple):
+    value: Any
+    source: str
+
+
+# ---------------------------------------------------------------------------------------------
+# schema
+
+
+def workload_class(name: str) -> type:
+    """The config dataclass of a registered workload."""
+    if name not in WORKLOADS:
+        raise UserError(f"unknown workload {name!r} (known: {', '.join(sorted(WORKLOADS))})")
+    module, _, attr = WORKLOADS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def env_name(key: str) -> str:
+    """run.X -> DTRAIN_X; <section>.X -> DTRAIN_<SECTION>_X. Clusters have no variables."""
+    section, _, name = key.partition(".")
+    if section == "clusters":
+        raise ValueError(f"{key}: cluster tables are set in the config file only")
+    parts = [name] if section == "run" else [section, name]
+    return ENV_PREFIX + "_".join(parts).upper().replace("-", "_")
+
+
+def _keys(section: str, owner: type, fields: list[tuple[str, dataclasses.Field, Any]]) -> list[_Key]:
+    out = []
+    for name, f, tp in fields:
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        out.append(_Key(f"{section}.{name}", section, name, tp, default, f.metadata.get("help", ""), owner))
+    return out
+
+
+def _workload_fields(cls: type) -> list[tuple[str, dataclasses.Field, Any]]:
+    """A workload's own leaf fields: everything but its nested RunConfig (which is [run])."""
+    out: list[tuple[str, dataclasses.Field, Any]] = []
+    for f in dataclasses.fields(cls):
+        tp = field_type(cls, f)
+        if tp is RunConfig:
+            continue
+        out.extend(scalar_fields(tp) if dataclasses.is_dataclass(tp) else [(f.name, f, tp)])
+    return out
+
+
+def schema() -> dict[str, _Key]:
+    """Every settable key of [run] and the workload sections, in display order."""
+    keys = _keys("run", RunConfig, scalar_fields(RunConfig))
+    keys += _keys("run", LaunchConfig, scalar_fields(LaunchConfig))
+    for name in WORKLOADS:
+        cls = workload_class(name)
+        keys += _keys(name, cls, _workload_fields(cls))
+    return {k.key: k for k in keys}
+
+
+# ---------------------------------------------------------------------------------------------
+# resolved settings
+
+
+@dataclasses.dataclass(eq=False)
+class Settings:
+    """The resolved configuration. `run` and `launch` are both the [run] section."""
+
+    run: RunConfig
+    launch: LaunchConfig
+    clusters: dict[str, ClusterConfig]
+    file: Path | None  # the config file read, if any
+    _keys: dict[str, _Key] = dataclasses.field(repr=False)
+    _values: dict[str, _Value] = dataclasses.field(repr=False)
+
+    def workload(self, name: str) -> Any:
+        """The workload's config (e.g. MnistConfig), its nested run filled from [run]."""
+        cls = workload_class(name)
+        return _build(cls, self._workload_keys(name), self._values)
+
+    def source(self, key: str) -> str:
+        """Where a dotted key's value came from: "default", the file, DTRAIN_X or --flag."""
+        return self._values[key].source
+
+    def items(self, workload: str | None = None) -> list[Item]:
+        """Every key for display: [run], the workload sections (one if named), then clusters."""
+        if workload is not None:
+            workload_class(workload)  # a clear error for an unknown name
+        out = []
+        for k in self._keys.values():
+            if workload is not None and k.section in WORKLOADS and k.section != workload:
+                continue
+            v = self._values[k.key]
+            out.append(Item(k.key, _plain(v.value), v.source, k.help))
+        return out
+
+    def explicit(self, name: str) -> dict[str, Any]:
+        """Flat key -> value of the workload's settings (its RunConfig ones included, launcher-only
+        ones not) that did not come from the defaults: what the launcher passes as flags."""
+        out = {}
+        for k in self._workload_keys(name):
+            v = self._values[k.key]
+            if v.source not in (DEFAULT, REQUIRED):
+                out[k.name] = v.value
+        return out
+
+    def _workload_keys(self, name: str) -> list[_Key]:
+        workload_class(name)
+        return [k for k in self._keys.values() if k.owner is RunConfig or k.section == name]
+
+
+def load_settings(
+    config_path: Path | None = None,
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Settings:
+    """Resolve defaults < config file < DTRAIN_* variables < flags, and validate the result.
+
+    config_path: --config (must exist); None reads ./dtrain.toml if there is one.
+    flags: dotted key -> value the user gave on the command line; None means not given.
+    env: defaults to os.environ.
+    """
+    keys = schema()
+    values = {k.key: _unset(k) for k in keys.values()}
+    path, data = _read_file(config_path)
+    clusters: dict[str, ClusterConfig] = {}
+    if path is not None:
+        _apply_file(str(path), data, keys, values)
+        clusters = _clusters(str(path), data.get("clusters", {}), keys, values)
+    _apply_env(os.environ if env is None else env, keys, values)
+    _apply_flags(flags or {}, keys, values)
+
+    run_keys = [k for k in keys.values() if k.section == "run"]
+    run = _build(RunConfig, [k for k in run_keys if k.owner is RunConfig], values)
+    launch = _build(LaunchConfig, [k for k in run_keys if k.owner is LaunchConfig], values)
+    return Settings(run=run, launch=launch, clusters=clusters, file=path, _keys=keys, _values=values)
+
+
+def get_cluster(settings: Settings, name: str | None = None) -> ClusterConfig:
+    """The cluster a command runs on: `name`, or run.cluster by default. Empty is this machine."""
+    source = ""
+    if name is None:
+        name, source = settings.launch.cluster, settings.source("run.cluster")
+    if not name:
+        return ClusterConfig(backend=ClusterBackend.LOCAL)
+    if name in settings.clusters:
+        return settings.clusters[name]
+    where = f" (from {source})" if source else ""
+    if settings.clusters:
+        defined = ", ".join(sorted(settings.clusters))
+        raise UserError(f"unknown cluster {name!r}{where}; {settings.file} defines: {defined}")
+    file = settings.file or CONFIG_FILE
+    raise UserError(
+        f"unknown cluster {name!r}{where}; no clusters are defined: add a [clusters.{name}] table "
+        f'with backend = "local" | "hosts" | "gcp" to {file}'
+    )
+
+
+def describe(settings: Settings, workload: str | None = None) -> list[Item]:
+    """The rows of `dtrain config show`, after building each shown workload's config, so an
+    invalid combination fails here with the field named, as it would at launch."""
+    items = settings.items(workload)
+    for name in [workload] if workload else WORKLOADS:
+        # A workload with a required key unset (a model to fine-tune, say) shows it as required
+        # rather than failing `config show`; launching it says what to set.
+        if not any(i.source == REQUIRED and i.key.startswith(f"{name}.") for i in items):
+            settings.workload(name)
+    return items
+
+
+# ---------------------------------------------------------------------------------------------
+# sources
+
+
+def _read_file(config_path: Path | None) -> tuple[Path | None, dict[str, Any]]:
+    path = Path(config_path) if config_path is not None else Path(CONFIG_FILE)
+    if not path.is_file():
+        if config_path is None:
+            return None, {}
+        what = "is not a file" if path.exists() else "not found"
+        raise UserError(f"config file {path} {what} (given by --config or DTRAIN_CONFIG)")
+    try:
+        with path.open("rb") as fp:
+            return path, tomllib.load(fp)
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path}: invalid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: invalid TOML: the file is not UTF-8 text") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot read the config file: {e.strerror}") from None
+
+
+def _apply_file(src: str, data: Mapping[str, Any], keys: dict[str, _Key], values: dict[str, _Value]) -> None:
+    sections = ["run", *WORKLOADS]
+    for section, table in data.items():
+        if section == "clusters":
+            continue
+        if section not in sections:
+            if not isinstance(table, dict):
+                raise UserError(
+                    f"{src}: {section} = ... is outside any section; put it under "
+                    f"{_section_hint(section, keys) or '[run] or a workload section'}"
+                )
+            known = ", ".join(f"[{s}]" for s in [*sections, "clusters.NAME"])
+            raise UserError(f"{src}: unknown section [{section}] (known: {known})")
+        if not isinstance(table, dict):
+            raise UserError(f"{src}: {section} must be a table ([{section}]), got {_kind(table)}")
+        for name, raw in table.items():
+            key = f"{section}.{name}"
+            if key not in keys:
+                raise UserError(f"{src}: unknown key {key}{_unknown_hint(section, name, keys)}")
+            values[key] = _Value(_coerce(keys[key], raw, src), src)
+
+
+def _clusters(src: str, table: Any, keys: dict[str, _Key], values: dict[str, _Value]) -> dict[str, ClusterConfig]:
+    """Parse [clusters.NAME] tables; their keys join `keys` so that they show and have sources."""
+    if not isinstance(table, dict):
+        raise UserError(f"{src}: clusters must be tables [clusters.NAME], got {_kind(table)}")
+    out = {}
+    fields = scalar_fields(ClusterConfig)
+    for cname, ctable in table.items():
+        section = f"clusters.{cname}"
+        if not isinstance(ctable, dict):
+            raise UserError(f"{src}: {section} must be a table ([{section}]), got {_kind(ctable)}")
+        ckeys = _keys(section, ClusterConfig, fields)
+        for k in ckeys:
+            keys[k.key] = k
+            values[k.key] = _unset(k)
+        known = [k.name for k in ckeys]
+        for name, raw in ctable.items():
+            key = f"{section}.{name}"
+            if key not in keys:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f"did you mean {section}.{close[0]}?" if close else f"known: {', '.join(known)}"
+                raise UserError(f"{src}: unknown key {key} ({hint})")
+            values[key] = _Value(_coerce(keys[key], raw, src), src)
+        for k in ckeys:
+            if values[k.key].source == REQUIRED:
+                raise UserError(f"{src}: {k.key} is required ({_expected(k)})")
+        out[cname] = _build(ClusterConfig, ckeys, values)
+    return out
+
+
+def _apply_env(env: Mapping[str, str], keys: dict[str, _Key], values: dict[str, _Value]) -> None:
+    by_env = {env_name(k.key): k for k in keys.values() if not k.section.startswith("clusters.")}
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or var in RESERVED_ENV or var.startswith(INTERNAL_ENV_PREFIX):
+            continue
+        k = by_env.get(var)
+        if k is None:
+            # Compared without the shared prefix, which would make every name look close.
+            suffixes = [n.removeprefix(ENV_PREFIX) for n in by_env]
+            close = difflib.get_close_matches(var.removeprefix(ENV_PREFIX), suffixes, n=1)
+            hint = (
+                f"did you mean {ENV_PREFIX}{close[0]}?"
+                if close
+                else "run.X is DTRAIN_X, <section>.X is DTRAIN_<SECTION>_X"
+            )
+            raise UserError(f"unknown environment variable {var} ({hint}); unset it or fix its name")
+        values[k.key] = _Value(_coerce(k, env[var], var, from_text=True), var)
+
+
+def _apply_flags(flags: Mapping[str, Any], keys: dict[str, _Key], values: dict[str, _Value]) -> None:
+    for key, raw in flags.items():
+        if raw is None:
+            continue
+        k = keys.get(key)
+        if k is None or k.section.startswith("clusters."):
+            raise ValueError(f"no setting {key!r} for a flag")  # a bug in the command, not user input
+        if isinstance(raw, os.PathLike):
+            raw = os.fspath(raw)
+        label = "--no-" + k.name.replace("_", "-") if raw is False else flag(k.name)
+        values[key] = _Value(_coerce(k, raw, label, from_text=True), label)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _unset(k: _Key) -> _Value:
+    return _Value(k.default, DEFAULT if k.default is not dataclasses.MISSING else REQUIRED)
+
+
+def _coerce(k: _Key, raw: Any, src: str, *, from_text: bool = False) -> Any:
+    try:
+        return coerce(raw, k.type, from_text=from_text)
+    except TypeError as e:
+        raise UserError(f"{src}: {k.key} must be {str(e).removeprefix('expected ')}") from None
+
+
+def _build(cls: type, keys: list[_Key], values: dict[str, _Value]) -> Any:
+    """Build `cls` from the keys' non-default values; a failed __post_init__ check names the
+    dotted key and where its value came from."""
+    for k in keys:
+        if values[k.key].source == REQUIRED:
+            how = f"{flag(k.name)}, {env_name(k.key)} or " if not k.section.startswith("clusters.") else ""
+            raise UserError(f"{k.key} is required: set it with {how}{k.name} = ... in [{k.section}]")
+    flat = {k.name: values[k.key].value for k in keys if values[k.key].source != DEFAULT}
+    try:
+        return build(cls, flat)
+    except UserError as e:
+        m = re.match(r"invalid configuration: (\w+): (.*)", str(e))
+        k = next((k for k in keys if m and k.name == m.group(1)), None)
+        if k is None:
+            raise
+        source = values[k.key].source
+        raise UserError(f"invalid configuration: {k.key} (from {source}): {m.group(2)}") from None
+
+
+def _expected(k: _Key) -> str:
+    if isinstance(k.type, type) and issubclass(k.type, enum.Enum):
+        return "one of " + " | ".join(json.dumps(m.value) for m in k.type)
+    return k.type.__name__ if isinstance(k.type, type) else str(k.type)
+
+
+def _unknown_hint(section: str, name: str, keys: dict[str, _Key]) -> str:
+    elsewhere = [k.section for k in keys.values() if k.name == name and k.section != section]
+    if elsewhere:
+        return f" ({name} belongs in [{elsewhere[0]}])"
+    known = [k.name for k in keys.values() if k.section == section]
+    close = difflib.get_close_matches(name, known, n=1)
+    if close:
+        return f" (did you mean {section}.{close[0]}?)"
+    return f" (known in [{section}]: {', '.join(known)})"
+
+
+def _section_hint(name: str, keys: dict[str, _Key]) -> str:
+    sections = [k.section for k in keys.values() if k.name == name]
+    return f"[{sections[0]}]" if sections else ""
+
+
+def _kind(value: Any) -> str:
+    return {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _plain(value: Any) -> Any:
+    if value is dataclasses.MISSING:
+        return None
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,130 @@
+"""`dtrain train <workload>`: resolve settings, pick the cluster, launch, report."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from dtrain.cli import console
+from dtrain.cli import options as o
+from dtrain.common.errors import UserError
+from dtrain.mnist.config import Dataset
+
+app = typer.Typer(help="Train a workload on this machine or a cluster.", no_args_is_help=True)
+
+
+@app.command("mnist")
+def mnist(
+    dataset: Annotated[Dataset | None, typer.Option("--dataset", help="which IDX dataset", show_default=False)] = None,
+    data_dir: o.DataDir = None,
+    epochs: Annotated[int | None, typer.Option("--epochs", help="passes over the data", show_default=False)] = None,
+    batch_size: Annotated[
+        int | None, typer.Option("--batch-size", help="global batch size", show_default=False)
+    ] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help="peak learning rate", show_default=False)] = None,
+    train_split: Annotated[
+        str | None, typer.Option("--train-split", help="e.g. train, test[:8000]", show_default=False)
+    ] = None,
+    eval_split: Annotated[
+        str | None, typer.Option("--eval-split", help="e.g. test, test[8000:]", show_default=False)
+    ] = None,
+    augment: Annotated[
+        bool | None, typer.Option("--augment/--no-augment", help="random 2-pixel shifts", show_default=False)
+    ] = None,
+    download: Annotated[
+        bool | None,
+        typer.Option("--download/--no-download", help="fetch from the public mirrors if not found", show_default=False),
+    ] = None,
+    nproc: o.Nproc = None,
+    output: o.Output = None,
+    cluster: o.Cluster = None,
+    resume: o.Resume = None,
+    precision: o.PrecisionOpt = None,
+    backend: o.BackendOpt = None,
+    seed: o.Seed = None,
+    checkpoint_every: o.CheckpointEvery = None,
+    max_restarts: o.MaxRestarts = None,
+) -> None:
+    """Train a CNN on MNIST or Fashion-MNIST (IDX files), with DDP and resumable checkpoints."""
+    flags = {
+        "mnist.dataset": dataset,
+        "mnist.data_dir": str(data_dir) if data_dir else None,
+        "mnist.epochs": epochs,
+        "mnist.batch_size": batch_size,
+        "mnist.lr": lr,
+        "mnist.train_split": train_split,
+        "mnist.eval_split": eval_split,
+        "mnist.augment": augment,
+        "mnist.download": download,
+        **o.common_flags(
+            nproc=nproc,
+            output=output,
+            cluster=cluster,
+            resume=resume,
+            precision=precision,
+            backend=backend,
+            seed=seed,
+            checkpoint_every=checkpoint_every,
+            max_restarts=max_restarts,
+        ),
+    }
+    console.state.exit_code = launch("mnist", flags)
+
+
+def launch(workload: str, flags: dict[str, Any]) -> int:
+    """Resolve the settings and run `workload` where they say; returns the job's exit code."""
+    from dtrain.cli.launcher import plan_local, run_local
+    from dtrain.cli.settings import ClusterBackend, get_cluster, load_settings
+
+    settings = load_settings(console.state.config_path, flags)
+    settings.workload(workload)  # validate the whole workload config before starting anything
+    cluster = get_cluster(settings)
+    if cluster.backend != ClusterBackend.LOCAL:
+        raise UserError(
+            f"cluster {settings.launch.cluster!r} uses the {cluster.backend.value} backend, which "
+            "this version of dtrain cannot launch yet: drop --cluster to train on this machine"
+        )
+    plan = plan_local(
+        workload,
+        settings.explicit(workload),
+        nproc=settings.launch.nproc,
+        max_restarts=settings.launch.max_restarts,
+        output=settings.run.output,
+        resume=settings.run.resume,
+    )
+    verb = "resuming" if plan.resuming else "starting"
+    console.out.print(
+        f"{verb} [bold]{workload}[/] run [cyan]{plan.run_id}[/] on this machine: "
+        f"{plan.nproc} process(es) x {plan.threads} thread(s)",
+        highlight=False,
+    )
+    code = run_local(plan)
+    _report(workload, plan.run.url, plan.run_id, code)
+    return code
+
+
+def _report(workload: str, url: str, run_id: str, code: int) -> None:
+    from dtrain.common.errors import ExitCode
+
+    if code == ExitCode.OK:
+        console.out.print(
+            f"run [cyan]{run_id}[/] completed: {url} (config.json, metrics.jsonl, checkpoints/, final/)",
+            highlight=False,
+        )
+    elif code == ExitCode.PREEMPTED:
+        console.err.print(
+            f"run {run_id} stopped after a checkpoint: resume with `dtrain train {workload} --resume {run_id}`",
+            highlight=False,
+        )
+    elif code == ExitCode.INTERRUPTED:
+        console.err.print(
+            f"run {run_id} interrupted: `dtrain train {workload} --resume {run_id}` continues from its last checkpoint",
+            highlight=False,
+        )
+    elif code != ExitCode.USAGE:
+        console.err.print(
+            f"run {run_id} failed (exit {code}); logs above. `dtrain train {workload} --resume "
+            f"{run_id}` continues from its last complete checkpoint",
+            highlight=False,
+        )

@@ -1,0 +1,266 @@
+"""Checkpoints that are visible only when complete, written in the background.
+
+Layout under the run (a local directory or a gs:// prefix, through one Store API):
+
+    checkpoints/step-00000120/state.pt    model, optimizer, scheduler, scaler, data position,
+                                           step, config, and every rank's RNG state
+    checkpoints/step-00000120/meta.json   written after state.pt: step, epoch, model config and
+                                           its digest, each file's size and sha256
+    checkpoints/LATEST                     the step directory's name, written last
+
+A reader trusts a step only if meta.json exists and every file it lists has the listed size and
+checksum, so a save interrupted at any point is never picked up: the newest complete step wins.
+Rank 0 writes; every rank reads. Serialisation happens on the training thread (a consistent
+snapshot); the write/upload runs on a background thread so training does not wait on the
+network, except for the final save and the save on SIGTERM, which are waited for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import queue
+import random
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dtrain.common import env as envmod
+from dtrain.common.dist import Dist
+from dtrain.common.errors import UserError
+from dtrain.common.storage import Store
+
+STEP_RE = re.compile(r"^step-(\d{8})$")
+STATE_FILE = "state.pt"
+META_FILE = "meta.json"
+LATEST = "LATEST"
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _as_tuple(x: Any) -> Any:
+    # random.setstate wants tuples all the way down; serialisation may hand back lists.
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    step: int
+    name: str
+    meta: dict[str, Any]
+
+
+def find_latest(store: Store, log: Callable[[str], None] = lambda _m: None) -> Found | None:
+    """The newest complete checkpoint under `store` (the run's checkpoints/ prefix), or None."""
+    names = {p.split("/", 1)[0] for p in store.list("")}
+    steps = sorted((int(m.group(1)), n) for n in names if (m := STEP_RE.match(n)))
+    hinted = None
+    with contextlib.suppress(FileNotFoundError):
+        hinted = store.read_bytes(LATEST).decode().strip()
+    for step, name in reversed(steps):
+        meta = _complete_meta(store, name)
+        if meta is not None:
+            if hinted and hinted != name:
+                log(f"checkpoints/LATEST names {hinted}, but the newest complete checkpoint is {name}")
+            return Found(step, name, meta)
+        log(f"skipping incomplete checkpoint {name} (an interrupted save)")
+    return None
+
+
+def _complete_meta(store: Store, name: str) -> dict[str, Any] | None:
+    try:
+        meta = json.loads(store.read_bytes(f"{name}/{META_FILE}"))
+        for fname, info in meta["files"].items():
+            if store.size(f"{name}/{fname}") != info["size"]:
+                return None
+        return meta
+    except (FileNotFoundError, ValueError, KeyError):
+        return None
+
+
+class Checkpointer:
+    """`load()` once, `save(step, ...)` every step (it decides whether to act), `close()` at the end."""
+
+    def __init__(
+        self,
+        store: Store,
+        d: Dist,
+        *,
+        every: int,
+        keep: int,
+        model_config: dict[str, Any],
+        run_config: dict[str, Any],
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.store = store  # the run's checkpoints/ prefix
+        self.d = d
+        self.every = every
+        self.keep = keep
+        self.model_config = model_config
+        self.run_config = run_config
+        self.log = log
+        self.last_saved_step = -1
+        self._error: BaseException | None = None
+        self._queue: queue.Queue[tuple[int, bytes, dict[str, Any]] | None] = queue.Queue(maxsize=1)
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+        if d.is_main:
+            self._thread = threading.Thread(target=self._writer, name="dtrain-checkpoint", daemon=True)
+            self._thread.start()
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def load(self) -> dict[str, Any] | None:
+        """The newest complete checkpoint's state on every rank (RNG already restored), or None."""
+        found = find_latest(self.store, self.log if self.d.is_main else lambda _m: None)
+        if found is None:
+            return None
+        saved_cfg = found.meta.get("model_config")
+        if saved_cfg != self.model_config:
+            raise UserError(
+                f"checkpoint {self.store.join(found.name)} was saved with model config {saved_cfg}, "
+                f"this run has {self.model_config}: resume with the same model settings, or start a new run"
+            )
+        data = self.store.read_bytes(f"{found.name}/{STATE_FILE}")
+        want = found.meta["files"][STATE_FILE]["sha256"]
+        if hashlib.sha256(data).hexdigest() != want:
+            raise UserError(
+                f"checkpoint {self.store.join(found.name)} is corrupt (checksum mismatch): "
+                "delete that step directory to fall back to the one before"
+            )
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        rngs = state.get("rng") or []
+        if len(rngs) == self.d.world_size:
+            set_rng_state(rngs[self.d.rank], self.d.device)
+        else:
+            # A different world size cannot replay the old per-rank streams; derive fresh ones.
+            seed = int(self.run_config.get("seed", 0)) * 1_000_003 + state["step"] * 101 + self.d.rank
+            random.seed(seed)
+            torch.manual_seed(seed)
+            if self.d.is_main:
+                self.log(
+                    f"checkpoint was written by {len(rngs)} ranks, this run has {self.d.world_size}: "
+                    "RNG streams re-seeded, so results will not be bit-identical to an unbroken run"
+                )
+        self.last_saved_step = state["step"]
+        self.log(f"resuming from {self.store.join(found.name)} (step {state['step']})")
+        return state
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def due(self, step: int, *, epoch_end: bool = False, last: bool = False) -> bool:
+        if step == self.last_saved_step:
+            return False
+        return last or epoch_end or (self.every > 0 and step % self.every == 0)
+
+    def save(
+        self, step: int, state_fn: Callable[[], dict[str, Any]], *, epoch_end: bool = False, last: bool = False
+    ) -> bool:
+        """Checkpoint if due. Every rank calls this at the same steps (it gathers RNG states).
+        `last` (end of training, SIGTERM) also waits until the checkpoint is committed."""
+        if not self.due(step, epoch_end=epoch_end, last=last):
+            if last:
+                self.wait()
+            return False
+        rngs = self.d.gather(rng_state(self.d.device))
+        if self.d.is_main:
+            state = state_fn()
+            state.update(step=step, rng=rngs, config=self.run_config, model_config=self.model_config)
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            meta = {
+                "step": step,
+                "epoch": state.get("data", {}).get("epoch"),
+                "model_config": self.model_config,
+                "config_digest": digest(self.model_config),
+                "world_size": self.d.world_size,
+                "created": time.time(),
+            }
+            self._raise_if_failed()
+            self._idle.wait()  # at most one save in flight: bounded memory, ordered commits
+            self._raise_if_failed()
+            self._idle.clear()
+            self._queue.put((step, buf.getvalue(), meta))
+        self.last_saved_step = step
+        if last:
+            self.wait()
+        return True
+
+    def wait(self) -> None:
+        """Block until every queued checkpoint is committed (rank 0); re-raise a writer failure."""
+        if self.d.is_main:
+            self._idle.wait()
+            self._raise_if_failed()
+
+    def close(self) -> None:
+        self.wait()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=60)
+            self._thread = None
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"writing a checkpoint to {self.store.url} failed: {err}") from err
+
+    def _writer(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            step, data, meta = item
+            try:
+                self._commit(step, data, meta)
+            except BaseException as e:  # noqa: BLE001 - handed to the training thread
+                self._error = e
+            finally:
+                self._idle.set()
+
+    def _commit(self, step: int, data: bytes, meta: dict[str, Any]) -> None:
+        name = step_dir(step)
+        self.store.write_bytes(f"{name}/{STATE_FILE}", data)
+        pause = envmod.fault_pause_before_commit()
+        if pause:
+            time.sleep(pause)
+        meta["files"] = {STATE_FILE: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+        self.store.write_bytes(f"{name}/{META_FILE}", json.dumps(meta, indent=1).encode())
+        self.store.write_bytes(LATEST, name.encode())
+        self._prune(step)
+
+    def _prune(self, newest: int) -> None:
+        """Keep the newest `keep` complete checkpoints; drop older ones and any older debris."""
+        names = sorted({p.split("/", 1)[0] for p in self.store.list("") if STEP_RE.match(p.split("/", 1)[0])})
+        complete = [n for n in names if _complete_meta(self.store, n) is not None]
+        keep = set(complete[-self.keep :])
+        for n in names:
+            if n not in keep and int(STEP_RE.match(n).group(1)) < newest:  # type: ignore[union-attr]
+                self.store.delete(n)

@@ -1,0 +1,35 @@
+"""Exit codes and the one user-facing error type, shared by the CLI and the workloads.
+
+This module imports nothing heavy: the CLI uses it without torch installed.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes. Workloads and the CLI use the same values, so a launcher can
+    tell "resume me" (PREEMPTED) from "I failed" (FAILURE) from "fix your input" (USAGE)."""
+
+    OK = 0
+    FAILURE = 1  # runtime failure: a crash, a dead peer, a lost node
+    USAGE = 2  # bad flags, config, data or paths: fix the input and run again
+    PREEMPTED = 3  # SIGTERM received, a checkpoint was saved: safe to resume
+    INTERRUPTED = 130  # Ctrl-C
+
+
+class UserError(Exception):
+    """A mistake the user can fix. Printed as one line (what was wrong, what to do), no traceback.
+
+    `exit_code` is USAGE by default; a few runtime conditions the user must act on
+    (an unreachable bucket, say) use FAILURE.
+    """
+
+    def __init__(self, message: str, *, exit_code: ExitCode = ExitCode.USAGE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Preempted(Exception):
+    """Raised after the checkpoint for a SIGTERM has been written; maps to ExitCode.PREEMPTED."""

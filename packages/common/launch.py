@@ -1,0 +1,54 @@
+"""torchrun, with the job's exit code instead of torchrun's.
+
+    python -m dtrain.common.launch <torchrun args> -m dtrain.mnist.train <workload args>
+
+Arguments are exactly torchrun's. Plain torchrun exits 1 for any worker failure and prints a
+ChildFailedError traceback; this wrapper exits with the first failed worker's own code (2 for a
+usage error, 3 for preempted, 1 for a crash or a worker killed by a signal), and leaves the
+diagnosis to the worker's one-line message. dtrain's launchers run it on every node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+from dtrain.common.errors import ExitCode
+
+
+def exit_code_of(worker_code: int) -> int:
+    """Map a worker's exit status (negative: killed by that signal) to ours."""
+    if worker_code in (int(ExitCode.USAGE), int(ExitCode.PREEMPTED), int(ExitCode.INTERRUPTED)):
+        return worker_code
+    if worker_code == -signal.SIGINT:
+        return int(ExitCode.INTERRUPTED)
+    return int(ExitCode.FAILURE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    if not os.environ.get("DTRAIN_DEBUG"):
+        # torchrun's agent logs every shutdown step at WARNING; the workers already said what failed.
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        _rank, failure = e.get_first_failure()
+        return exit_code_of(failure.exitcode)
+    except SignalException as e:
+        # torchrun itself was signalled; it has already sent the same signal to the workers and
+        # waited for them (a SIGTERM'd worker checkpoints and exits PREEMPTED).
+        return int(ExitCode.INTERRUPTED) if e.sigval == signal.SIGINT else 128 + int(e.sigval)
+    except KeyboardInterrupt:
+        return int(ExitCode.INTERRUPTED)
+    return int(ExitCode.OK)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

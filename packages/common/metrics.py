@@ -1,0 +1,106 @@
+"""Rank-0 reporting: metrics.jsonl, TensorBoard events when tensorboard is installed, and the
+console (a rich progress bar and a few summary lines). On other ranks every method does nothing,
+so training code calls them without `if rank == 0`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from typing import Any
+
+from dtrain.common import env as envmod
+from dtrain.common.storage import Store
+
+
+class Reporter:
+    def __init__(
+        self, *, enabled: bool, store: Store | None = None, tb_dir: str | None = None, resume: bool = False
+    ) -> None:
+        self.enabled = enabled
+        self.store = store
+        self._lines: list[str] = []
+        self._tb = None
+        self._progress = None
+        self._task = None
+        self._t0 = time.monotonic()
+        if not enabled:
+            return
+        from rich.console import Console
+
+        self.console = Console(force_terminal=envmod.console_is_terminal(), highlight=False, soft_wrap=True)
+        if store is not None and resume:
+            with contextlib.suppress(FileNotFoundError):
+                self._lines = store.read_bytes("metrics.jsonl").decode().splitlines()
+        if tb_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional
+                pass
+            else:
+                self._tb = SummaryWriter(log_dir=tb_dir)
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            if self._progress is not None:
+                self._progress.console.print(message, highlight=False)
+            else:
+                self.console.print(message, highlight=False)
+
+    def start_progress(self, total: int, completed: int, description: str) -> None:
+        if not self.enabled or not self.console.is_terminal:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(description, total=total, completed=completed, status="")
+
+    def advance(self, step: int, status: str = "") -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, status=status)
+
+    def log(self, step: int, **values: Any) -> None:
+        """One metrics line (rank 0). Lines are kept in memory and flushed by `flush()`."""
+        if not self.enabled:
+            return
+        row = {"step": step, "time": round(time.time(), 3), **{k: _plain(v) for k, v in values.items()}}
+        self._lines.append(json.dumps(row))
+        if self._tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, step)
+
+    def flush(self) -> None:
+        """Write metrics.jsonl in full (a small file; one atomic write works for gs:// too)."""
+        if self.enabled and self.store is not None:
+            self.store.write_bytes("metrics.jsonl", ("\n".join(self._lines) + "\n").encode())
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        self.flush()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    return round(v, 6) if isinstance(v, float) else v
+
+
+def print_error(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)

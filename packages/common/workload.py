@@ -1,0 +1,219 @@
+"""The harness around a workload's training function: flags -> config, process group, run
+directory, checkpointer, reporter, preemption, and the mapping from outcomes to exit codes.
+
+    def main(argv=None):
+        run_workload("mnist", MnistConfig, train, argv)   # never returns
+
+`train(ctx)` returns a dict of final figures (saved in status.json). It raises UserError for
+input the user must fix, Preempted after a SIGTERM checkpoint; anything else is a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
+
+from dtrain.common import config as cfgmod
+from dtrain.common.checkpoint import Checkpointer
+from dtrain.common.dist import Dist, PeerFailure, distributed, is_comm_failure
+from dtrain.common.errors import ExitCode, Preempted, UserError
+from dtrain.common.metrics import Reporter, print_error
+from dtrain.common.precision import PrecisionPolicy, device_name, resolve_precision
+from dtrain.common.preempt import PreemptionWatch
+from dtrain.common.rundir import RUN_ID_RE, locate, new_run_id, read_json, write_json
+from dtrain.common.storage import Store, is_remote, open_store
+
+C = TypeVar("C")
+
+# Keys that say where a run lives rather than how it trains: never inherited on resume.
+PLACEMENT_KEYS = ("output", "run_id", "resume")
+
+
+@dataclasses.dataclass
+class Context:
+    workload: str
+    cfg: Any
+    d: Dist
+    run: Store
+    run_id: str
+    resuming: bool
+    report: Reporter
+    precision: PrecisionPolicy
+    ckpt: Checkpointer
+    preempt: PreemptionWatch
+
+    def stop_requested(self) -> bool:
+        """True on every rank once any rank got SIGTERM. Call once per step."""
+        return self.d.any(self.preempt.requested)
+
+
+def resolve_config(workload: str, cls: type[C], argv: Sequence[str] | None) -> tuple[C, Store | None]:
+    """Flags over (on resume) the run's saved config over defaults. Returns the config and, when
+    resuming, the run directory."""
+    explicit = cfgmod.parse_explicit(
+        cls,
+        argv,
+        prog=f"python -m dtrain.{workload}.train",
+        description=f"dtrain {workload} workload (run it under torchrun)",
+    )
+    resume = explicit.get("resume", "")
+    if not resume:
+        return cfgmod.build(cls, explicit), None
+    output = explicit.get("output", cfgmod.RunConfig().output)
+    run = locate(output, resume)
+    saved = read_json(run, "config.json") or {}
+    if saved.get("workload", workload) != workload:
+        raise UserError(f"run {run.url} is a {saved['workload']} run, not {workload}")
+    base = {k: v for k, v in (saved.get("config") or {}).items() if k not in PLACEMENT_KEYS}
+    return cfgmod.build(cls, {**base, **explicit}), run
+
+
+def run_workload(
+    workload: str, cls: type[C], train: Callable[[Context], dict[str, Any]], argv: Sequence[str] | None = None
+) -> NoReturn:
+    sys.exit(int(_run(workload, cls, train, argv)))
+
+
+def _run(workload: str, cls: type, train: Callable[[Context], dict[str, Any]], argv: Sequence[str] | None) -> ExitCode:
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        cfg, resumed_run = resolve_config(workload, cls, argv)
+    except UserError as e:
+        if rank == 0:
+            print_error(str(e))
+        return e.exit_code
+
+    run: Store | None = None
+    d: Dist | None = None
+    ctx: Context | None = None
+    try:
+        with distributed(cfg.run.backend, cfg.run.dist_timeout) as d:
+            run, run_id = _open_run(workload, cfg, d, resumed_run)
+            ctx = _context(workload, cfg, d, run, run_id, resuming=resumed_run is not None)
+            try:
+                with ctx.preempt:
+                    result = train(ctx)
+                ctx.ckpt.close()
+            finally:
+                ctx.report.close()
+            _status(d, run, "completed", ExitCode.OK, ctx, result=result)
+            return ExitCode.OK
+    except UserError as e:
+        if rank == 0:
+            print_error(str(e))
+        _status(d, run, "failed", e.exit_code, ctx, error=str(e))
+        return e.exit_code
+    except Preempted:
+        if rank == 0:
+            print_error(
+                "preempted (SIGTERM): checkpoint saved; resume with "
+                f"`dtrain train {workload} --resume {run.url if run else '<run>'}`"
+            )
+        _status(d, run, "preempted", ExitCode.PREEMPTED, ctx)
+        return ExitCode.PREEMPTED
+    except KeyboardInterrupt:
+        _status(d, run, "interrupted", ExitCode.INTERRUPTED, ctx)
+        return ExitCode.INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - every other failure is reported and mapped to FAILURE
+        if d is not None and is_comm_failure(e):
+            print_error(d.describe_failure(e))
+        else:
+            traceback.print_exc()
+        _status(d, run, "failed", ExitCode.FAILURE, ctx, error=f"{type(e).__name__}: {e}")
+        return ExitCode.FAILURE
+
+
+def _open_run(workload: str, cfg: Any, d: Dist, resumed: Store | None) -> tuple[Store, str]:
+    if resumed is not None:
+        run = resumed
+        run_id = run.url.rstrip("/").rsplit("/", 1)[-1]
+    else:
+        run_id = cfg.run.run_id or (d.env.run_id if RUN_ID_RE.match(d.env.run_id) else "")
+        run_id = run_id or d.broadcast(new_run_id(workload))
+        run = open_store(f"{cfg.run.output.rstrip('/')}/{run_id}")
+
+    def prepare() -> None:
+        run.check_writable()
+        saved = read_json(run, "config.json") if resumed else None
+        record = saved or {
+            "workload": workload,
+            "run_id": run_id,
+            "created": time.time(),
+            "config": cfgmod.flatten(cfg),
+            "model_config": cfg.model_config(),
+        }
+        if resumed:
+            record.setdefault("resumes", []).append({"time": time.time(), "config": cfgmod.flatten(cfg)})
+        record["world_size"] = d.world_size
+        write_json(run, "config.json", record)
+        write_json(
+            run,
+            "status.json",
+            {"state": "running", "exit_code": None, "updated": time.time(), "pid": os.getpid(), "host": d.env.hostname},
+        )
+
+    _on_main_then_share(d, prepare)
+    return run, run_id
+
+
+def _on_main_then_share(d: Dist, fn: Callable[[], None]) -> None:
+    """Run `fn` on rank 0; if it raises UserError, raise the same error on every rank, so all
+    ranks exit with the same code instead of the others timing out."""
+    outcome: tuple[str, int] | None = None
+    if d.is_main:
+        try:
+            fn()
+        except UserError as e:
+            outcome = (str(e), int(e.exit_code))
+    outcome = d.broadcast(outcome)
+    if outcome is not None:
+        raise UserError(outcome[0], exit_code=ExitCode(outcome[1]))
+
+
+def _context(workload: str, cfg: Any, d: Dist, run: Store, run_id: str, *, resuming: bool) -> Context:
+    report = Reporter(
+        enabled=d.is_main,
+        store=run,
+        resume=resuming,
+        tb_dir=None if is_remote(run.url) else os.path.join(run.url, "tensorboard"),
+    )
+    precision = resolve_precision(cfg.run.precision, d.device)
+    ifnames = "".join(f", {k}={v}" for k, v in d.env.socket_ifnames.items())
+    report.info(f"[bold]{workload}[/] run [cyan]{run_id}[/] -> {run.url}")
+    report.info(
+        f"{d.world_size} process(es), backend {d.backend or 'none (single process)'}, "
+        f"device {device_name(d.device)}, precision {precision.describe()}{ifnames}"
+    )
+    ckpt = Checkpointer(
+        run.child("checkpoints"),
+        d,
+        every=cfg.run.checkpoint_every,
+        keep=cfg.run.keep_checkpoints,
+        model_config=cfg.model_config(),
+        run_config=cfgmod.flatten(cfg),
+        log=report.info,
+    )
+    return Context(workload, cfg, d, run, run_id, resuming, report, precision, ckpt, PreemptionWatch())
+
+
+def _status(d: Dist | None, run: Store | None, state: str, code: ExitCode, ctx: Context | None, **extra: Any) -> None:
+    """Record how the run ended (rank 0). Best effort: the exit code is what counts."""
+    if run is None or (d is not None and not d.is_main):
+        return
+    if ctx is not None:
+        with contextlib.suppress(Exception):
+            ctx.ckpt.close()
+    with contextlib.suppress(Exception):
+        prev = read_json(run, "status.json") or {}
+        write_json(
+            run, "status.json", {**prev, "state": state, "exit_code": int(code), "updated": time.time(), **extra}
+        )
+
+
+__all__ = ["Context", "PeerFailure", "run_workload", "resolve_config"]

@@ -1,0 +1,69 @@
+"""Shared fixtures: a real GCS emulator (gcp-storage-emulator) on loopback."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+EMULATOR_START_TIMEOUT_S = 15.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A gcp-storage-emulator server (in memory) for the whole session; yields its http://host:port."""
+    if importlib.util.find_spec("gcp_storage_emulator") is None:
+        pytest.skip("needs gcp-storage-emulator (pip install 'dtrain[dev]')")
+    port = _free_port()
+    workdir = tmp_path_factory.mktemp("gcs-emulator")
+    # The emulator reads HOST, PORT and STORAGE_BASE from the environment itself, and must not
+    # see an emulator variable meant for its clients.
+    env = {k: v for k, v in os.environ.items() if k not in ("STORAGE_EMULATOR_HOST", "HOST", "PORT")}
+    env["STORAGE_BASE"] = str(workdir)
+    log = open(workdir / "emulator.log", "wb")  # noqa: SIM115 - closed at teardown
+    cmd = [sys.executable, "-m", "gcp_storage_emulator", "start",
+           "--host", "127.0.0.1", "--port", str(port), "--in-memory", "--quiet"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + EMULATOR_START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                log_text = (workdir / "emulator.log").read_text()
+                pytest.fail(f"gcs emulator exited with {proc.returncode}: {log_text}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"gcs emulator not listening on :{port} after {EMULATOR_START_TIMEOUT_S}s")
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket on the emulator, with STORAGE_EMULATOR_HOST pointing at it; yields gs://<bucket>/some/prefix."""
+    storage = pytest.importorskip("google.cloud.storage", reason="needs google-cloud-storage")
+    from google.auth.credentials import AnonymousCredentials
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
+    name = f"dtrain-test-{uuid.uuid4().hex[:12]}"
+    storage.Client(project="dtrain-test", credentials=AnonymousCredentials()).create_bucket(name)
+    return f"gs://{name}/some/prefix"
