@@ -56,7 +56,7 @@ def test_defaults_without_a_file(cwd):
 
 
 def test_precedence_default_file_env_flag(cwd):
-    assert load_settings(env={}).workload("mnist").epochs == 6
+    assert load_settings(env={}).workload("mnist").epochs == MnistConfig().epochs
 
     write(cwd / "dtrain.toml", "[mnist]\nepochs = 3\n")
     s = load_settings(env={})
