@@ -37,12 +37,14 @@ else:  # pragma: no cover - 3.10
     import tomli as tomllib
 
 from dtrain.common.config import RunConfig, build, coerce, field_type, flag, opt, scalar_fields
+from dtrain.common.env import NON_SETTING_ENV
 from dtrain.common.errors import UserError
 
 CONFIG_FILE = "dtrain.toml"
 ENV_PREFIX = "DTRAIN_"
 # Read by the CLI's global options (--config, --debug), not settings.
-RESERVED_ENV = frozenset({"DTRAIN_CONFIG", "DTRAIN_DEBUG"})
+# and the workload-side / script variables listed in dtrain.common.env.
+RESERVED_ENV = frozenset({"DTRAIN_CONFIG", "DTRAIN_DEBUG"}) | NON_SETTING_ENV
 # Launcher -> workload plumbing; never a user setting.
 INTERNAL_ENV_PREFIX = "DTRAIN_INTERNAL_"
 

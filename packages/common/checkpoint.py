@@ -118,6 +118,7 @@ class Checkpointer:
         model_config: dict[str, Any],
         run_config: dict[str, Any],
         log: Callable[[str], None] = print,
+        before_save: Callable[[], None] = lambda: None,
     ) -> None:
         self.store = store  # the run's checkpoints/ prefix
         self.d = d
@@ -126,6 +127,9 @@ class Checkpointer:
         self.model_config = model_config
         self.run_config = run_config
         self.log = log
+        # Called on rank 0 before each save, so files that describe the run up to this step
+        # (metrics.jsonl) are never behind the checkpoint a resume starts from.
+        self.before_save = before_save
         self.last_saved_step = -1
         self._error: BaseException | None = None
         self._queue: queue.Queue[tuple[int, bytes, dict[str, Any]] | None] = queue.Queue(maxsize=1)
@@ -192,6 +196,7 @@ class Checkpointer:
             return False
         rngs = self.d.gather(rng_state(self.d.device))
         if self.d.is_main:
+            self.before_save()
             state = state_fn()
             state.update(step=step, rng=rngs, config=self.run_config, model_config=self.model_config)
             buf = io.BytesIO()

@@ -13,6 +13,17 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
+# DTRAIN_* variables that are not settings: read here by the workloads, or by scripts/. The CLI,
+# which rejects unknown DTRAIN_* names as typos, lets these through.
+NON_SETTING_ENV = frozenset(
+    {
+        "DTRAIN_OFFLINE",  # never try downloads
+        "DTRAIN_CACHE_DIR",  # downloads and prepared data
+        "DTRAIN_TORCH",  # scripts/setup.sh: which torch build to install
+        "DTRAIN_TEST_BUDGET_S",  # scripts/test.sh: time allowed for the whole suite
+    }
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class LaunchEnv:

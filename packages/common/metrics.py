@@ -41,6 +41,10 @@ class Reporter:
             else:
                 self._tb = SummaryWriter(log_dir=tb_dir)
 
+    def rewind(self, step: int) -> None:
+        """Drop metrics lines past `step`: a resumed run replays those steps and logs them again."""
+        self._lines = [ln for ln in self._lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+
     def info(self, message: str) -> None:
         if self.enabled:
             if self._progress is not None:

@@ -152,10 +152,18 @@ def _open_run(workload: str, cfg: Any, d: Dist, resumed: Store | None) -> tuple[
             record.setdefault("resumes", []).append({"time": time.time(), "config": cfgmod.flatten(cfg)})
         record["world_size"] = d.world_size
         write_json(run, "config.json", record)
+        peers = [dataclasses.asdict(p) for p in d.peers] or [{"rank": 0, "host": d.env.hostname, "pid": os.getpid()}]
         write_json(
             run,
             "status.json",
-            {"state": "running", "exit_code": None, "updated": time.time(), "pid": os.getpid(), "host": d.env.hostname},
+            {
+                "state": "running",
+                "exit_code": None,
+                "updated": time.time(),
+                "pid": os.getpid(),
+                "host": d.env.hostname,
+                "peers": peers,
+            },
         )
 
     _on_main_then_share(d, prepare)
@@ -198,6 +206,7 @@ def _context(workload: str, cfg: Any, d: Dist, run: Store, run_id: str, *, resum
         model_config=cfg.model_config(),
         run_config=cfgmod.flatten(cfg),
         log=report.info,
+        before_save=report.flush,
     )
     return Context(workload, cfg, d, run, run_id, resuming, report, precision, ckpt, PreemptionWatch())
 

@@ -142,6 +142,7 @@ def train(ctx: Context) -> dict[str, Any]:
         sched.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         step, best = state["step"], state.get("best_accuracy", 0.0)
+        report.rewind(step)
         pos = state["data"]
         if (pos["epoch"], pos["step_in_epoch"]) != divmod(step, steps_per_epoch):
             raise UserError(
@@ -204,11 +205,9 @@ def train(ctx: Context) -> dict[str, Any]:
                 f"epoch {step // steps_per_epoch}/{cfg.epochs}: eval accuracy "
                 f"{metrics['eval_accuracy']:.4f}, loss {metrics['eval_loss']:.4f}"
             )
-            report.flush()
         stop = ctx.stop_requested()
         ctx.ckpt.save(step, snapshot, epoch_end=epoch_end, last=stop or step == total)
         if stop:
-            report.flush()
             raise Preempted()
 
     final = {

@@ -1,0 +1,342 @@
+"""End-to-end MNIST runs through the real CLI and torchrun (gloo, real processes) on a slice of
+Fashion-MNIST: DDP equivalence, kill -9 and resume, a kill during a save, SIGTERM, gs:// runs,
+and a hung peer. Assertions are on numbers: losses, steps, weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dtrain.common.checkpoint import find_latest
+from dtrain.common.storage import open_store
+
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+pytestmark = pytest.mark.skipif(
+    not (FASHION / "train-images-idx3-ubyte.gz").exists(),
+    reason="needs Debian's dataset-fashion-mnist (apt-get install dataset-fashion-mnist)",
+)
+CLI = [sys.executable, "-c", "from dtrain.cli.main import main; main()"]
+# 4096 images, batch 64: 64 steps an epoch, logged and checkpointed every 16 steps.
+SMALL = [
+    "--dataset",
+    "fashion-mnist",
+    "--train-split",
+    "train[:4096]",
+    "--eval-split",
+    "test[:2000]",
+    "--batch-size",
+    "64",
+    "--checkpoint-every",
+    "16",
+]
+ENV = {"DTRAIN_LOG_EVERY": "16", "DTRAIN_OFFLINE": "1"}
+POLL_S = 0.05
+
+
+def env(**extra: str) -> dict[str, str]:
+    return {**os.environ, **ENV, **extra}
+
+
+def dtrain(args: list[str], cwd: Path, timeout: float = 240, **extra_env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*CLI, *args], cwd=cwd, env=env(**extra_env), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def start(args: list[str], cwd: Path, **extra_env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*CLI, *args], cwd=cwd, env=env(**extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def only_run(out: Path) -> Path:
+    (run,) = [p for p in out.iterdir() if p.is_dir()]
+    return run
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics(run) if "loss" in r}
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            pytest.fail(f"the run ended (rc {proc.returncode}) before {what}:\n{out}")
+        time.sleep(POLL_S)
+    proc.kill()
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def latest_step(run: Path) -> int:
+    found = find_latest(open_store(str(run / "checkpoints"))) if (run / "checkpoints").exists() else None
+    return found.step if found else 0
+
+
+def peers(run: Path) -> list[dict]:
+    status = json.loads((run / "status.json").read_text())
+    return status.get("peers", []) if status.get("state") == "running" else []
+
+
+def assert_no_workers_left(run_dirs: list[Path]) -> None:
+    """No process of these runs survives (the launcher and PR_SET_PDEATHSIG see to it)."""
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    for run in run_dirs:
+        assert run.name not in out, f"processes of {run.name} are still running:\n{out}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """An uninterrupted 2-process run of two epochs: what interrupted runs must reproduce."""
+    cwd = tmp_path_factory.mktemp("ref")
+    r = dtrain(["train", "mnist", *SMALL, "--epochs", "2", "--nproc", "2", "--output", "runs"], cwd)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return only_run(cwd / "runs")
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "final" / "model.safetensors"))
+
+
+def assert_same_result(run: Path, ref: Path, stopped_at: int | None = None) -> None:
+    got, want = json.loads((run / "status.json").read_text()), json.loads((ref / "status.json").read_text())
+    assert got["state"] == want["state"] == "completed"
+    assert got["result"]["final_loss"] == pytest.approx(want["result"]["final_loss"], abs=1e-6)
+    assert got["result"]["accuracy"] == want["result"]["accuracy"]
+    w, r = final_weights(run), final_weights(ref)
+    assert w.keys() == r.keys()
+    assert max((w[k].float() - r[k].float()).abs().max().item() for k in w) <= 1e-6
+    got_l, want_l = losses(run), losses(ref)
+    assert got_l.keys() == want_l.keys()
+    if stopped_at is not None and stopped_at % 16:
+        # A stop inside a 16-step logging window: the window's loss after resume averages only the
+        # steps since the resume. Every other window is the same numbers.
+        window_end = stopped_at + 16 - stopped_at % 16
+        got_l.pop(window_end), want_l.pop(window_end)
+    assert got_l == pytest.approx(want_l, abs=1e-6)
+
+
+def test_ddp_two_processes_match_one_with_the_same_global_batch(tmp_path, reference):
+    r = dtrain(["train", "mnist", *SMALL, "--epochs", "2", "--nproc", "1", "--output", "runs"], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    single, ddp = losses(only_run(tmp_path / "runs")), losses(reference)
+    assert single.keys() == ddp.keys() and len(single) == 8
+    # Converges: the last window's loss is under 60% of the first's.
+    assert ddp[128] < 0.6 * ddp[16] and single[128] < 0.6 * single[16]
+    # Same global batch, same data order: the same curve up to per-rank BatchNorm statistics and
+    # float summation order. Stated tolerance: every logged loss within 5% (relative).
+    for step in single:
+        assert ddp[step] == pytest.approx(single[step], rel=0.05), step
+    acc = [
+        json.loads((run / "status.json").read_text())["result"]["accuracy"]
+        for run in (only_run(tmp_path / "runs"), reference)
+    ]
+    assert min(acc) > 0.75 and abs(acc[0] - acc[1]) < 0.02
+
+
+def test_kill_9_a_rank_then_resume_equals_the_uninterrupted_run(tmp_path, reference):
+    # Each checkpoint write pauses 0.4 s (fault injection that changes no number), so the run is
+    # slow enough to be caught mid-way.
+    proc = start(
+        ["train", "mnist", *SMALL, "--epochs", "2", "--nproc", "2", "--output", "runs"],
+        tmp_path,
+        DTRAIN_INTERNAL_FAULT_PAUSE_BEFORE_COMMIT="0.4",
+    )
+    run = wait_for(
+        lambda: (tmp_path / "runs").exists() and any((tmp_path / "runs").iterdir()) and only_run(tmp_path / "runs"),
+        proc,
+        what="the run directory",
+    )
+    wait_for(lambda: latest_step(run) >= 48, proc, what="a checkpoint at step 48")
+    rank1 = next(p for p in peers(run) if p["rank"] == 1)
+    os.kill(rank1["pid"], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out
+    assert "rank 1" in out or "lost contact" in out or "failed" in out
+    stopped_at = latest_step(run)
+    assert 48 <= stopped_at < 128
+    assert_no_workers_left([run])
+
+    r = dtrain(["train", "mnist", "--resume", run.name, "--output", "runs"], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"resuming from {run / 'checkpoints'}/step-{stopped_at:08d} (step {stopped_at})" in r.stdout
+    assert_same_result(run, reference)
+
+
+def test_a_save_killed_half_way_is_never_used(tmp_path, reference):
+    proc = start(
+        ["train", "mnist", *SMALL, "--epochs", "2", "--nproc", "2", "--output", "runs"],
+        tmp_path,
+        DTRAIN_INTERNAL_FAULT_PAUSE_BEFORE_COMMIT="3",
+    )
+    run = wait_for(
+        lambda: (tmp_path / "runs").exists() and any((tmp_path / "runs").iterdir()) and only_run(tmp_path / "runs"),
+        proc,
+        what="the run directory",
+    )
+
+    def half_written() -> Path | None:
+        ckpts = run / "checkpoints"
+        if not ckpts.exists():
+            return None
+        for d in sorted(ckpts.glob("step-*")):
+            if (d / "state.pt").exists() and not (d / "meta.json").exists() and latest_step(run) > 0:
+                return d
+        return None
+
+    partial = wait_for(half_written, proc, what="a second save in flight")
+    complete = latest_step(run)
+    rank0 = next(p for p in peers(run) if p["rank"] == 0)
+    os.kill(rank0["pid"], signal.SIGKILL)  # rank 0 is the writer
+    proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert not (partial / "meta.json").exists()
+    partial_step = int(partial.name.split("-")[1])
+    assert complete < partial_step
+    assert latest_step(run) == complete  # the reader skips the half-written one
+    assert_no_workers_left([run])
+
+    r = dtrain(["train", "mnist", "--resume", run.name, "--output", "runs"], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"(step {complete})" in r.stdout
+    assert_same_result(run, reference)
+
+
+def test_sigterm_checkpoints_then_exits_3_and_resumes(tmp_path, reference):
+    proc = start(
+        ["train", "mnist", *SMALL, "--epochs", "2", "--nproc", "2", "--output", "runs"],
+        tmp_path,
+        DTRAIN_INTERNAL_FAULT_PAUSE_BEFORE_COMMIT="0.4",
+    )
+    run = wait_for(
+        lambda: (tmp_path / "runs").exists() and any((tmp_path / "runs").iterdir()) and only_run(tmp_path / "runs"),
+        proc,
+        what="the run directory",
+    )
+    wait_for(lambda: latest_step(run) >= 16, proc, what="the first checkpoint")
+    proc.send_signal(signal.SIGTERM)  # as a spot VM's shutdown would, to the launcher
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3, out
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "preempted" and status["exit_code"] == 3
+    stopped = latest_step(run)
+    assert 16 <= stopped < 128
+    ckpt_meta = json.loads((run / "checkpoints" / f"step-{stopped:08d}" / "meta.json").read_text())
+    assert ckpt_meta["step"] == stopped  # the SIGTERM save is the newest complete checkpoint
+    assert_no_workers_left([run])
+
+    r = dtrain(["train", "mnist", "--resume", run.name, "--output", "runs"], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"(step {stopped})" in r.stdout
+    assert_same_result(run, reference, stopped_at=stopped)
+
+
+def test_sigterm_to_a_single_process_without_torchrun(tmp_path):
+    args = [
+        sys.executable,
+        "-m",
+        "dtrain.mnist.train",
+        *SMALL,
+        "--epochs",
+        "2",
+        "--output",
+        "runs",
+        "--log-every",
+        "16",
+    ]
+    proc = subprocess.Popen(
+        args,
+        cwd=tmp_path,
+        env=env(DTRAIN_INTERNAL_FAULT_PAUSE_BEFORE_COMMIT="0.4"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    run = wait_for(
+        lambda: (tmp_path / "runs").exists() and any((tmp_path / "runs").iterdir()) and only_run(tmp_path / "runs"),
+        proc,
+        what="the run directory",
+    )
+    wait_for(lambda: latest_step(run) >= 16, proc, what="the first checkpoint")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 3, out
+    assert "preempted" in out
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "preempted" and latest_step(run) > 16
+
+
+def test_a_run_in_a_bucket_checkpoints_there_and_resumes_from_it(tmp_path, gcs_bucket):
+    out = f"{gcs_bucket}/runs"
+    r = dtrain(["train", "mnist", *SMALL, "--epochs", "1", "--nproc", "2", "--output", out], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    root = open_store(out)
+    names = root.list("")
+    (run_id,) = {n.split("/")[0] for n in names}
+    for expected in (
+        "config.json",
+        "status.json",
+        "metrics.jsonl",
+        "checkpoints/LATEST",
+        "checkpoints/step-00000064/state.pt",
+        "checkpoints/step-00000064/meta.json",
+        "final/model.safetensors",
+        "final/model.json",
+    ):
+        assert f"{run_id}/{expected}" in names
+    assert not (tmp_path / "runs").exists()  # nothing went to the local disk
+
+    r = dtrain(["train", "mnist", "--resume", run_id, "--output", out, "--epochs", "2"], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"resuming from {out}/{run_id}/checkpoints/step-00000064 (step 64)" in r.stdout
+    status = json.loads(root.read_bytes(f"{run_id}/status.json"))
+    assert status["state"] == "completed" and status["result"]["steps"] == 128
+
+
+HUNG = textwrap.dedent("""
+    import os, time
+    from dtrain.common.dist import distributed
+    with distributed(timeout_s=4) as d:
+        if d.rank == 1:
+            time.sleep(60)  # hung: never reaches the barrier
+        d.barrier("after setup")
+""")
+
+
+def test_a_hung_peer_is_named_with_its_host(tmp_path):
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG)
+    cmd = [
+        sys.executable,
+        "-m",
+        "dtrain.common.launch",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "localhost:0",
+        str(script),
+    ]
+    r = subprocess.run(cmd, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    host = os.uname().nodename
+    assert f"waited 4s at barrier 'after setup' for rank 1 on {host} (pid" in r.stderr, r.stderr
