@@ -82,7 +82,7 @@ def plan_local(
     gpus = count_gpus()
     cpus = os.cpu_count() or 1
     n = nproc or auto_nproc(gpus, cpus)
-    threads = max(1, cpus // n) if not gpus else max(1, cpus // max(1, n))
+    threads = max(1, cpus // n)  # OMP threads per process: the cores shared out, never oversubscribed
     command = [
         sys.executable,
         "-m",

@@ -20,6 +20,9 @@ Cluster = Annotated[
     str | None,
     typer.Option("--cluster", help="a [clusters.NAME] from dtrain.toml (default: this machine)", show_default=False),
 ]
+RunId = Annotated[
+    str | None, typer.Option("--run-id", help="name the run (default: <workload>-<utc time>-<hex>)", show_default=False)
+]
 Resume = Annotated[
     str | None,
     typer.Option("--resume", help="continue RUN (an id under --output, or its directory/URL)", show_default=False),
@@ -44,6 +47,7 @@ Json = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 
 def common_flags(
     *,
+    run_id: str | None,
     nproc: int | None,
     output: str | None,
     cluster: str | None,
@@ -60,6 +64,7 @@ def common_flags(
         "run.output": output,
         "run.cluster": cluster,
         "run.resume": resume,
+        "run.run_id": run_id,
         "run.precision": precision,
         "run.backend": backend,
         "run.seed": seed,

@@ -35,6 +35,7 @@ import torch
 from dtrain.common import env as envmod
 from dtrain.common.dist import Dist
 from dtrain.common.errors import UserError
+from dtrain.common.rundir import config_diff
 from dtrain.common.storage import Store
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
@@ -150,8 +151,9 @@ class Checkpointer:
         saved_cfg = found.meta.get("model_config")
         if saved_cfg != self.model_config:
             raise UserError(
-                f"checkpoint {self.store.join(found.name)} was saved with model config {saved_cfg}, "
-                f"this run has {self.model_config}: resume with the same model settings, or start a new run"
+                f"checkpoint {self.store.join(found.name)} has a different model config "
+                f"({config_diff(saved_cfg or {}, self.model_config)}): resume with the run's own model "
+                "settings, or start a new run without --resume"
             )
         data = self.store.read_bytes(f"{found.name}/{STATE_FILE}")
         want = found.meta["files"][STATE_FILE]["sha256"]

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import enum
 import json
+import re
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -61,6 +62,8 @@ class RunConfig:
         for name in ("checkpoint_every", "log_every", "keep_checkpoints"):
             if getattr(self, name) < (1 if name in ("log_every", "keep_checkpoints") else 0):
                 raise ValueError(f"{name}: must be {'>= 1' if name != 'checkpoint_every' else '>= 0'}")
+        if self.run_id and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}", self.run_id):
+            raise ValueError(f"run_id: {self.run_id!r} must be letters, digits, '.', '_' or '-' (a folder name)")
         if self.dist_timeout <= 0:
             raise ValueError("dist_timeout: must be > 0 seconds")
 

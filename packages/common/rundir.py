@@ -42,10 +42,16 @@ def locate(output: str, ref: str) -> Store:
 def read_json(store: Store, name: str) -> dict[str, Any] | None:
     try:
         return json.loads(store.read_bytes(name))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError, ValueError):
         return None
-    except ValueError:
-        return None
+
+
+def config_diff(saved: dict[str, Any], current: dict[str, Any], where: str = "the checkpoint") -> str:
+    """'width: 16 in the checkpoint, 32 now' for each key that differs."""
+    keys = sorted(set(saved) | set(current))
+    return "; ".join(
+        f"{k}: {saved.get(k)!r} in {where}, {current.get(k)!r} now" for k in keys if saved.get(k) != current.get(k)
+    )
 
 
 def write_json(store: Store, name: str, obj: dict[str, Any]) -> None:

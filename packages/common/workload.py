@@ -26,7 +26,7 @@ from dtrain.common.errors import ExitCode, Preempted, UserError
 from dtrain.common.metrics import Reporter, print_error
 from dtrain.common.precision import PrecisionPolicy, device_name, resolve_precision
 from dtrain.common.preempt import PreemptionWatch
-from dtrain.common.rundir import RUN_ID_RE, locate, new_run_id, read_json, write_json
+from dtrain.common.rundir import RUN_ID_RE, config_diff, locate, new_run_id, read_json, write_json
 from dtrain.common.storage import Store, is_remote, open_store
 
 C = TypeVar("C")
@@ -107,7 +107,10 @@ def _run(workload: str, cls: type, train: Callable[[Context], dict[str, Any]], a
     except UserError as e:
         if rank == 0:
             print_error(str(e))
-        _status(d, run, "failed", e.exit_code, ctx, error=str(e))
+        if resumed_run is None and _nothing_to_keep(d, run):
+            run.delete("")  # a fresh run stopped by bad input before any checkpoint: no debris
+        else:
+            _status(d, run, "failed", e.exit_code, ctx, error=str(e))
         return e.exit_code
     except Preempted:
         if rank == 0:
@@ -141,6 +144,17 @@ def _open_run(workload: str, cfg: Any, d: Dist, resumed: Store | None) -> tuple[
     def prepare() -> None:
         run.check_writable()
         saved = read_json(run, "config.json") if resumed else None
+        if not resumed and run.exists("config.json"):
+            raise UserError(
+                f"run {run.url} already exists: continue it with --resume {run_id}, or pick another --run-id"
+            )
+        if saved and saved.get("model_config") not in (None, cfg.model_config()):
+            # Refuse before touching the run: its status and config stay as they were.
+            raise UserError(
+                f"run {run.url} was trained with a different model config "
+                f"({config_diff(saved['model_config'], cfg.model_config(), 'the run')}): resume with the run's own "
+                "model settings, or start a new run without --resume"
+            )
         record = saved or {
             "workload": workload,
             "run_id": run_id,
@@ -209,6 +223,15 @@ def _context(workload: str, cfg: Any, d: Dist, run: Store, run_id: str, *, resum
         before_save=report.flush,
     )
     return Context(workload, cfg, d, run, run_id, resuming, report, precision, ckpt, PreemptionWatch())
+
+
+def _nothing_to_keep(d: Dist | None, run: Store | None) -> bool:
+    if run is None or d is None or not d.is_main:
+        return False
+    try:
+        return not run.list("checkpoints") and not run.exists("final/model.json")
+    except Exception:  # noqa: BLE001 - if we cannot even list it, leave it alone
+        return False
 
 
 def _status(d: Dist | None, run: Store | None, state: str, code: ExitCode, ctx: Context | None, **extra: Any) -> None:

@@ -36,7 +36,7 @@ class MnistConfig:
     eval_split: str = opt("test", "evaluation images, same syntax, e.g. test[8000:]")
     epochs: int = opt(8, "passes over the training split")
     batch_size: int = opt(256, "global batch size, split evenly across ranks")
-    lr: float = opt(3e-3, "peak learning rate (AdamW, one-cycle schedule)")
+    lr: float = opt(3e-3, "peak learning rate (AdamW; 5% linear warmup, then cosine to zero)")
     weight_decay: float = opt(5e-4, "AdamW weight decay")
     label_smoothing: float = opt(0.0, "cross-entropy label smoothing")
     augment: bool = opt(False, "random shifts of up to 2 pixels, done on whole batches on the device")

@@ -197,6 +197,7 @@ def train(ctx: Context) -> dict[str, Any]:
             window_start, window_steps = time.perf_counter(), 0
 
         epoch_end = step % steps_per_epoch == 0
+        paused_at = time.perf_counter()  # evaluation and checkpointing are not training throughput
         if epoch_end:
             metrics.update(evaluate(ctx, model, eval_data, norm, cfg.eval_batch_size))
             best = max(best, metrics["eval_accuracy"])
@@ -209,6 +210,7 @@ def train(ctx: Context) -> dict[str, Any]:
         ctx.ckpt.save(step, snapshot, epoch_end=epoch_end, last=stop or step == total)
         if stop:
             raise Preempted()
+        window_start += time.perf_counter() - paused_at
 
     final = {
         "dataset": cfg.dataset.value,

@@ -1,0 +1,234 @@
+"""User mistakes, end to end through the real `dtrain` command in a subprocess: each one ends with
+exit code 2 (ExitCode.USAGE), one `error:` line on stderr that says what was wrong and what to
+do, and no Python traceback.
+
+Each run is offline (DTRAIN_OFFLINE=1) with its cache under the test's directory (DTRAIN_CACHE_DIR),
+so no test reads the user's data or reaches the internet. test_missing_data also checks that the CLI
+lets those two variables through to the workload, which reads them (they are not settings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import IMAGE_STEMS, write_dataset
+
+from dtrain.common.errors import ExitCode
+from dtrain.mnist import data as mnist_data
+from dtrain.mnist.config import Dataset
+
+CLI = [sys.executable, "-c", "from dtrain.cli.main import main; main()"]
+CLI_TIMEOUT_S = 120  # a real (tiny) training run takes ~6 s on 2 shared CPU cores
+TRAIN = ["train", "mnist", "--nproc", "1", "--epochs", "1"]
+
+
+@dataclasses.dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+    def error_line(self) -> str:
+        """The one `error:` line on stderr, after checking there is exactly one and no traceback."""
+        assert "Traceback" not in self.err, self.err
+        lines = [ln for ln in self.err.splitlines() if ln.startswith("error:")]
+        assert len(lines) == 1, self.err
+        return lines[0]
+
+
+def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTRAIN_")}
+    env["DTRAIN_OFFLINE"] = "1"
+    env["DTRAIN_CACHE_DIR"] = str(tmp_path / "cache")
+    env.update(extra)
+    return env
+
+
+def dtrain(cwd: Path, *args: str, env: dict[str, str] | None = None) -> Result:
+    p = subprocess.run(
+        [*CLI, *args],
+        cwd=cwd,
+        env=env if env is not None else cli_env(cwd),
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        check=False,
+    )
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """512 random training images and 128 test images, labels 0-9, as gzip IDX files."""
+    return write_dataset(tmp_path_factory.mktemp("tiny-mnist"), 512, 128, seed=0)
+
+
+def _system_mnist_present() -> bool:
+    return any((Path(d) / f"{IMAGE_STEMS['train']}.gz").exists() for d in mnist_data.SYSTEM_DIRS[Dataset.MNIST])
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+
+
+@pytest.mark.skipif(_system_mnist_present(), reason="this machine has MNIST in a system path, so data is never missing")
+def test_missing_data(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = dtrain(tmp_path, *TRAIN, "--dataset", "mnist", "--data-dir", str(empty))
+    line = r.error_line()
+    assert r.code == ExitCode.USAGE, r.err
+    assert line.startswith("error: no mnist train data found; tried: ")
+    for place in (
+        f"--data-dir {empty} (missing train-images-idx3-ubyte, train-labels-idx1-ubyte)",
+        "$DTRAIN_MNIST_DATA_DIR (not set)",
+        f"cache {tmp_path / 'cache' / 'mnist'} (no such directory)",
+        *(f"system path {d}" for d in mnist_data.SYSTEM_DIRS[Dataset.MNIST]),
+        "download (disabled: offline mode)",
+    ):
+        assert place in line
+    assert line.endswith("Pass --data-dir DIR holding the IDX files")
+
+
+def test_corrupt_idx_file(tmp_path, tiny_data):
+    bad = shutil.copytree(tiny_data, tmp_path / "data")
+    images = bad / f"{IMAGE_STEMS['train']}.gz"
+    images.write_bytes(b"this is not an IDX file\n")
+    r = dtrain(tmp_path, *TRAIN, "--data-dir", str(bad))
+    line = r.error_line()
+    assert r.code == ExitCode.USAGE, r.err
+    assert line.startswith(f"error: {images}: not an IDX file (bad magic 74686973")
+
+
+# ---------------------------------------------------------------------------------------------
+# where the run goes
+
+
+def test_output_not_writable(tmp_path, tiny_data):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a regular file\n")
+    output = blocker / "runs"
+    r = dtrain(tmp_path, *TRAIN, "--data-dir", str(tiny_data), "--output", str(output))
+    line = r.error_line()
+    assert r.code == ExitCode.USAGE, r.err
+    assert line.startswith(f"error: cannot write to {output}/mnist-")
+    assert "is a file, not a directory; choose another location" in line
+    assert blocker.read_text() == "a regular file\n"
+
+
+def test_resume_unknown_run(tmp_path):
+    r = dtrain(tmp_path, *TRAIN, "--resume", "nope")
+    line = r.error_line()
+    assert r.code == ExitCode.USAGE
+    assert line.startswith("error: no run 'nope' found (looked in runs/nope, nope)")
+    assert "`dtrain runs` lists runs" in line
+
+
+# ---------------------------------------------------------------------------------------------
+# a checkpoint from a different model config
+
+
+@dataclasses.dataclass
+class RefusedResume:
+    run_dir: Path
+    first: Result
+    resumed: Result
+    files_before: dict[str, bytes]
+    files_after: dict[str, bytes]
+    runs_json: list[dict]
+
+
+def _snapshot(root: Path, prefix: str = "") -> dict[str, bytes]:
+    return {prefix + p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def refused_resume(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path) -> RefusedResume:
+    """A completed 1-epoch run (width 16, the default), then a resume of it with width 32."""
+    cwd = tmp_path_factory.mktemp("resume")
+    args = [*TRAIN, "--data-dir", str(tiny_data), "--batch-size", "64", "--output", "runs"]
+    first = dtrain(cwd, *args)
+    assert first.code == ExitCode.OK, first.out + first.err
+    (run_dir,) = (cwd / "runs").iterdir()
+    before = _snapshot(run_dir / "checkpoints") | _snapshot(run_dir / "final", "final/")
+    resumed = dtrain(cwd, *args, "--resume", run_dir.name, env=cli_env(cwd, DTRAIN_MNIST_WIDTH="32"))
+    after = _snapshot(run_dir / "checkpoints") | _snapshot(run_dir / "final", "final/")
+    runs = dtrain(cwd, "runs", "--json")
+    assert runs.code == 0, runs.err
+    return RefusedResume(run_dir, first, resumed, before, after, json.loads(runs.out))
+
+
+def test_resume_with_other_model_config(refused_resume):
+    r = refused_resume
+    assert "Traceback" not in r.first.err
+    assert (r.run_dir / "final" / "model.safetensors").is_file()
+    line = r.resumed.error_line()
+    assert r.resumed.code == ExitCode.USAGE, r.resumed.err
+    assert line == (
+        f"error: run {r.run_dir} was trained with a different model config (width: 16 in the run, 32 now): "
+        "resume with the run's own model settings, or start a new run without --resume"
+    )
+    # Nothing the first run wrote was replaced: same files, same bytes.
+    assert (
+        sorted(r.files_after)
+        == sorted(r.files_before)
+        == [
+            "LATEST",
+            "final/model.json",
+            "final/model.safetensors",
+            "step-00000008/meta.json",
+            "step-00000008/state.pt",
+        ]
+    )
+    assert r.files_after == r.files_before
+
+
+def test_refused_resume_keeps_run_completed(refused_resume):
+    (row,) = refused_resume.runs_json
+    assert row["run_id"] == refused_resume.run_dir.name
+    assert row["status"] == "completed"
+    assert row["best_value"] is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# invalid settings
+
+
+def test_invalid_epochs(tmp_path):
+    r = dtrain(tmp_path, "train", "mnist", "--nproc", "1", "--epochs", "0")
+    assert r.error_line() == "error: invalid configuration: mnist.epochs (from --epochs): must be >= 1, got 0"
+    assert r.code == ExitCode.USAGE
+    assert not (tmp_path / "runs").exists()  # refused before anything was started
+
+
+def test_unknown_dataset(tmp_path):
+    r = dtrain(tmp_path, *TRAIN, "--dataset", "nope")
+    assert r.code == ExitCode.USAGE
+    assert "Traceback" not in r.err
+    (line,) = [ln for ln in r.err.splitlines() if "Invalid value" in ln]
+    assert "'--dataset'" in line and "'nope'" in line
+    assert "'mnist'" in line and "'fashion-mnist'" in line
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "toml, message",
+    [
+        ("[mnist]\nepochz = 1\n", "unknown key mnist.epochz (did you mean mnist.epochs?)"),
+        ("[run]\nwidth = 32\n", "unknown key run.width (width belongs in [mnist])"),
+    ],
+    ids=["typo", "wrong-section"],
+)
+def test_config_file_unknown_key(tmp_path, toml, message):
+    (tmp_path / "dtrain.toml").write_text(toml)
+    r = dtrain(tmp_path, *TRAIN)
+    assert r.error_line() == f"error: dtrain.toml: {message}"
+    assert r.code == ExitCode.USAGE
+    assert not (tmp_path / "runs").exists()
