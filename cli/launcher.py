@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from dtrain.cli import console
 from dtrain.common.errors import ExitCode, UserError
 from dtrain.common.rundir import locate, new_run_id, read_json, write_json
 from dtrain.common.storage import Store, open_store
@@ -105,6 +106,8 @@ def plan_local(
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     env["DTRAIN_INTERNAL_TTY"] = "1" if sys.stdout.isatty() else "0"
+    if console.state.debug:
+        env["DTRAIN_DEBUG"] = "1"
     return LocalPlan(run_id, run, n, threads, command, env, resuming=bool(resume))
 
 

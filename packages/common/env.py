@@ -76,6 +76,11 @@ def offline() -> bool:
     return any(os.environ.get(k, "").lower() in ("1", "true", "yes") for k in ("DTRAIN_OFFLINE", "HF_HUB_OFFLINE"))
 
 
+def debug() -> bool:
+    """DTRAIN_DEBUG=1: keep torchrun's own logs (the CLI's --debug sets it for the job)."""
+    return os.environ.get("DTRAIN_DEBUG", "").lower() in ("1", "true", "yes")
+
+
 def console_is_terminal() -> bool | None:
     """The launcher sets DTRAIN_INTERNAL_TTY=1 when its own stdout is a terminal, so rank 0 can draw a
     live progress bar even though torchrun's pipes sit in between. None: let rich decide."""

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 
+from dtrain.common import env as envmod
 from dtrain.common.errors import ExitCode
 
 
@@ -28,13 +29,16 @@ def exit_code_of(worker_code: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if not envmod.debug():
+        # torchrun's agent logs every shutdown step at WARNING; the workers already say what failed.
+        # Some of its loggers take their level from LOGLEVEL when created (set it before the import),
+        # the others inherit it from this parent.
+        os.environ.setdefault("LOGLEVEL", "CRITICAL")
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    if not os.environ.get("DTRAIN_DEBUG"):
-        # torchrun's agent logs every shutdown step at WARNING; the workers already said what failed.
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run(args)

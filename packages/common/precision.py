@@ -43,7 +43,8 @@ class PrecisionPolicy:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU ({torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"CPU ({n} thread{'s' if n != 1 else ''})"
 
 
 def resolve_precision(requested: Precision, device: torch.device) -> PrecisionPolicy:
