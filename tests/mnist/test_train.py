@@ -103,6 +103,32 @@ def assert_no_workers_left(run_dirs: list[Path]) -> None:
         assert run.name not in out, f"processes of {run.name} are still running:\n{out}"
 
 
+def start_run(cwd: Path, pause_s: str, *args: str) -> tuple[subprocess.Popen, Path]:
+    """Start a two-epoch run whose checkpoint writes each pause `pause_s` (fault injection that
+    changes no number) so it is slow enough to be caught mid-way; returns it and its directory."""
+    proc = start(
+        ["train", "mnist", *SMALL, "--epochs", "2", "--nproc", "2", "--output", "runs", *args],
+        cwd,
+        DTRAIN_INTERNAL_FAULT_PAUSE_BEFORE_COMMIT=pause_s,
+    )
+    return proc, run_dir_of(cwd, proc)
+
+
+def run_dir_of(cwd: Path, proc: subprocess.Popen) -> Path:
+    """The one run directory under cwd/runs, once the run has made it."""
+    runs = cwd / "runs"
+    return wait_for(lambda: runs.exists() and any(runs.iterdir()) and only_run(runs), proc, what="the run directory")
+
+
+def resume_equals_reference(
+    cwd: Path, run: Path, from_step: int, reference: Path, stopped_at: int | None = None, by_path: bool = False
+):
+    r = dtrain(["train", "mnist", "--resume", str(run) if by_path else run.name, "--output", "runs"], cwd)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"resuming from {run / 'checkpoints'}/step-{from_step:08d} (step {from_step})" in r.stdout
+    assert_same_result(run, reference, stopped_at=stopped_at)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """An uninterrupted 2-process run of two epochs: what interrupted runs must reproduce."""
@@ -145,6 +171,13 @@ def test_ddp_two_processes_match_one_with_the_same_global_batch(tmp_path, refere
     # float summation order. Stated tolerance: every logged loss within 5% (relative).
     for step in single:
         assert ddp[step] == pytest.approx(single[step], rel=0.05), step
+    # Rank 0 alone reports: TensorBoard events next to metrics.jsonl, and `dtrain runs` sees the run.
+    assert list((reference / "tensorboard").glob("events.out.tfevents.*"))
+    listed = json.loads(dtrain(["runs", "--json", "--output", str(reference.parent)], tmp_path).stdout)
+    best = max(r["eval_accuracy"] for r in metrics(reference) if "eval_accuracy" in r)
+    assert [(r["run_id"], r["status"], r["best_value"], r["step"]) for r in listed] == [
+        (reference.name, "completed", best, 128)
+    ]
     acc = [
         json.loads((run / "status.json").read_text())["result"]["accuracy"]
         for run in (only_run(tmp_path / "runs"), reference)
@@ -153,18 +186,7 @@ def test_ddp_two_processes_match_one_with_the_same_global_batch(tmp_path, refere
 
 
 def test_kill_9_a_rank_then_resume_equals_the_uninterrupted_run(tmp_path, reference):
-    # Each checkpoint write pauses 0.4 s (fault injection that changes no number), so the run is
-    # slow enough to be caught mid-way.
-    proc = start(
-        ["train", "mnist", *SMALL, "--epochs", "2", "--nproc", "2", "--output", "runs"],
-        tmp_path,
-        DTRAIN_INTERNAL_FAULT_PAUSE_BEFORE_COMMIT="0.4",
-    )
-    run = wait_for(
-        lambda: (tmp_path / "runs").exists() and any((tmp_path / "runs").iterdir()) and only_run(tmp_path / "runs"),
-        proc,
-        what="the run directory",
-    )
+    proc, run = start_run(tmp_path, "0.4")
     wait_for(lambda: latest_step(run) >= 48, proc, what="a checkpoint at step 48")
     rank1 = next(p for p in peers(run) if p["rank"] == 1)
     os.kill(rank1["pid"], signal.SIGKILL)
@@ -175,23 +197,11 @@ def test_kill_9_a_rank_then_resume_equals_the_uninterrupted_run(tmp_path, refere
     assert 48 <= stopped_at < 128
     assert_no_workers_left([run])
 
-    r = dtrain(["train", "mnist", "--resume", run.name, "--output", "runs"], tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert f"resuming from {run / 'checkpoints'}/step-{stopped_at:08d} (step {stopped_at})" in r.stdout
-    assert_same_result(run, reference)
+    resume_equals_reference(tmp_path, run, stopped_at, reference)
 
 
 def test_a_save_killed_half_way_is_never_used(tmp_path, reference):
-    proc = start(
-        ["train", "mnist", *SMALL, "--epochs", "2", "--nproc", "2", "--output", "runs"],
-        tmp_path,
-        DTRAIN_INTERNAL_FAULT_PAUSE_BEFORE_COMMIT="3",
-    )
-    run = wait_for(
-        lambda: (tmp_path / "runs").exists() and any((tmp_path / "runs").iterdir()) and only_run(tmp_path / "runs"),
-        proc,
-        what="the run directory",
-    )
+    proc, run = start_run(tmp_path, "3")
 
     def half_written() -> Path | None:
         ckpts = run / "checkpoints"
@@ -214,23 +224,11 @@ def test_a_save_killed_half_way_is_never_used(tmp_path, reference):
     assert latest_step(run) == complete  # the reader skips the half-written one
     assert_no_workers_left([run])
 
-    r = dtrain(["train", "mnist", "--resume", run.name, "--output", "runs"], tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert f"(step {complete})" in r.stdout
-    assert_same_result(run, reference)
+    resume_equals_reference(tmp_path, run, complete, reference)
 
 
 def test_sigterm_checkpoints_then_exits_3_and_resumes(tmp_path, reference):
-    proc = start(
-        ["train", "mnist", *SMALL, "--epochs", "2", "--nproc", "2", "--output", "runs"],
-        tmp_path,
-        DTRAIN_INTERNAL_FAULT_PAUSE_BEFORE_COMMIT="0.4",
-    )
-    run = wait_for(
-        lambda: (tmp_path / "runs").exists() and any((tmp_path / "runs").iterdir()) and only_run(tmp_path / "runs"),
-        proc,
-        what="the run directory",
-    )
+    proc, run = start_run(tmp_path, "0.4")
     wait_for(lambda: latest_step(run) >= 16, proc, what="the first checkpoint")
     proc.send_signal(signal.SIGTERM)  # as a spot VM's shutdown would, to the launcher
     out, _ = proc.communicate(timeout=120)
@@ -243,10 +241,7 @@ def test_sigterm_checkpoints_then_exits_3_and_resumes(tmp_path, reference):
     assert ckpt_meta["step"] == stopped  # the SIGTERM save is the newest complete checkpoint
     assert_no_workers_left([run])
 
-    r = dtrain(["train", "mnist", "--resume", run.name, "--output", "runs"], tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert f"(step {stopped})" in r.stdout
-    assert_same_result(run, reference, stopped_at=stopped)
+    resume_equals_reference(tmp_path, run, stopped, reference, stopped_at=stopped, by_path=True)
 
 
 def test_sigterm_to_a_single_process_without_torchrun(tmp_path):
@@ -270,11 +265,7 @@ def test_sigterm_to_a_single_process_without_torchrun(tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    run = wait_for(
-        lambda: (tmp_path / "runs").exists() and any((tmp_path / "runs").iterdir()) and only_run(tmp_path / "runs"),
-        proc,
-        what="the run directory",
-    )
+    run = run_dir_of(tmp_path, proc)
     wait_for(lambda: latest_step(run) >= 16, proc, what="the first checkpoint")
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
