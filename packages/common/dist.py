@@ -13,6 +13,7 @@ import datetime
 import os
 import re
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -35,6 +36,7 @@ class Peer:
     rank: int
     host: str
     pid: int
+    addr: str = ""  # the address this rank uses to reach the master; gloo names peers by it
 
     def __str__(self) -> str:
         return f"rank {self.rank} on {self.host} (pid {self.pid})"
@@ -122,21 +124,35 @@ class Dist:
         return ", ".join(str(p) for p in self.peers) or "unknown"
 
     def describe_failure(self, e: BaseException) -> str:
-        """One line for a collective that raised: who we are, what happened, who the peers were."""
+        """One line for a collective that raised: who we are, what broke, and which peer, when the
+        backend's message names its address and only one other rank has it."""
         if isinstance(e, PeerFailure):
             return str(e)
-        host = self._host_in(str(e))
-        suspects = [p for p in self.peers if host and p.host == host and p.rank != self.rank]
-        waited = f"; it was talking to {', '.join(map(str, suspects))}" if suspects else ""
-        return (
-            f"{self.me}: a collective failed after at most {self.timeout.total_seconds():g}s: "
-            f"{first_line(str(e))}{waited}; peers: {self._peer_list()}"
-        )
+        text = first_line(str(e))
+        addr = self._addr_in(text)
+        suspects = [p for p in self.peers if p.rank != self.rank and addr and p.addr == addr]
+        if len(suspects) == 1:
+            who = f"lost {suspects[0]}, which died or became unreachable"
+        else:
+            others = [p for p in self.peers if p.rank != self.rank]
+            who = f"a peer died or became unreachable (peers: {', '.join(map(str, others)) or 'none'})"
+        detail = text.split(". This is typically")[0]
+        return f"{self.me}: {who}: {detail}"
 
     @staticmethod
-    def _host_in(text: str) -> str | None:
+    def _addr_in(text: str) -> str | None:
         m = re.search(r"peer \[?([\w.:-]+?)\]?:\d+", text)
         return m.group(1) if m else None
+
+
+def route_to(host: str) -> str:
+    """This machine's address on the route to `host` (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return ""
 
 
 def first_line(text: str) -> str:
@@ -227,7 +243,8 @@ def distributed(backend: Backend = Backend.AUTO, timeout_s: float = 300.0) -> It
             # Object collectives and monitored barriers need a CPU (gloo) group; with gloo it is the
             # default group itself.
             d._cpu_group = dist.new_group(backend="gloo", timeout=timeout) if d.backend == "nccl" else None
-            d.peers = [Peer(**p) for p in d.gather({"rank": d.rank, "host": env.hostname, "pid": os.getpid()})]
+            me = {"rank": d.rank, "host": env.hostname, "pid": os.getpid(), "addr": route_to(env.master_addr)}
+            d.peers = [Peer(**p) for p in d.gather(me)]
         yield d
     finally:
         if dist.is_available() and dist.is_initialized():
