@@ -54,7 +54,10 @@ REQUIRED = "required"  # the source of a key that has no default and was not set
 # Workload name -> "module:Class" of its config, a kw_only dataclass with one nested RunConfig
 # field. Imported lazily. A new workload is one more entry here: its [section], DTRAIN_<NAME>_*
 # variables and `config show` rows follow from the dataclass.
-WORKLOADS: dict[str, str] = {"mnist": "dtrain.mnist.config:MnistConfig"}
+WORKLOADS: dict[str, str] = {
+    "mnist": "dtrain.mnist.config:MnistConfig",
+    "lora": "dtrain.lora.config:LoraConfig",
+}
 
 
 @dataclasses.dataclass(kw_only=True)

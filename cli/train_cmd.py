@@ -74,6 +74,105 @@ def mnist(
     console.state.exit_code = launch("mnist", flags)
 
 
+@app.command("lora")
+def lora(
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            help="hub id, local directory, or preset: tiny-llama, tiny-gpt2, qwen2.5-0.5b-shape",
+            show_default=False,
+        ),
+    ] = None,
+    data: Annotated[
+        str | None,
+        typer.Option("--data", help="text/JSONL file or directory, gs:// URL, or dataset name", show_default=False),
+    ] = None,
+    text_field: Annotated[
+        str | None, typer.Option("--text-field", help="JSONL field holding the text", show_default=False)
+    ] = None,
+    max_steps: Annotated[
+        int | None, typer.Option("--max-steps", help="optimizer steps (default: --epochs passes)", show_default=False)
+    ] = None,
+    epochs: Annotated[
+        int | None,
+        typer.Option("--epochs", help="passes over the data when --max-steps is not set", show_default=False),
+    ] = None,
+    seq_len: Annotated[
+        int | None, typer.Option("--seq-len", help="tokens per packed block", show_default=False)
+    ] = None,
+    batch_size: Annotated[
+        int | None, typer.Option("--batch-size", help="global blocks per optimizer step", show_default=False)
+    ] = None,
+    grad_accum: Annotated[
+        int | None, typer.Option("--grad-accum", help="micro-batches per optimizer step", show_default=False)
+    ] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help="peak learning rate", show_default=False)] = None,
+    lora_r: Annotated[int | None, typer.Option("--lora-r", help="LoRA rank", show_default=False)] = None,
+    lora_alpha: Annotated[
+        float | None, typer.Option("--lora-alpha", help="LoRA alpha (scale = alpha / r)", show_default=False)
+    ] = None,
+    lora_dropout: Annotated[
+        float | None, typer.Option("--lora-dropout", help="dropout on the LoRA input", show_default=False)
+    ] = None,
+    target_modules: Annotated[
+        str | None,
+        typer.Option(
+            "--target-modules", help="comma-separated layer names (default: attention + MLP)", show_default=False
+        ),
+    ] = None,
+    eval_every: Annotated[
+        int | None,
+        typer.Option("--eval-every", help="evaluate every N steps (default: at the end)", show_default=False),
+    ] = None,
+    merge: Annotated[
+        bool | None,
+        typer.Option("--merge/--no-merge", help="also write the merged model to final/merged", show_default=False),
+    ] = None,
+    nproc: o.Nproc = None,
+    output: o.Output = None,
+    cluster: o.Cluster = None,
+    resume: o.Resume = None,
+    run_id: o.RunId = None,
+    precision: o.PrecisionOpt = None,
+    backend: o.BackendOpt = None,
+    seed: o.Seed = None,
+    checkpoint_every: o.CheckpointEvery = None,
+    max_restarts: o.MaxRestarts = None,
+) -> None:
+    """LoRA fine-tuning of a causal LM (transformers + peft); the adapter lands in final/adapter."""
+    flags = {
+        "lora.model": model,
+        "lora.data": data,
+        "lora.text_field": text_field,
+        "lora.max_steps": max_steps,
+        "lora.epochs": epochs,
+        "lora.seq_len": seq_len,
+        "lora.batch_size": batch_size,
+        "lora.grad_accum": grad_accum,
+        "lora.lr": lr,
+        "lora.lora_r": lora_r,
+        "lora.lora_alpha": lora_alpha,
+        "lora.lora_dropout": lora_dropout,
+        "lora.target_modules": [t.strip() for t in target_modules.split(",") if t.strip()] if target_modules else None,
+        "lora.eval_every": eval_every,
+        "lora.merge": merge,
+        **o.common_flags(
+            nproc=nproc,
+            output=output,
+            cluster=cluster,
+            resume=resume,
+            run_id=run_id,
+            precision=precision,
+            backend=backend,
+            seed=seed,
+            checkpoint_every=checkpoint_every,
+            max_restarts=max_restarts,
+        ),
+    }
+    console.state.exit_code = launch("lora", flags)
+
+
 def launch(workload: str, flags: dict[str, Any]) -> int:
     """Resolve the settings and run `workload` where they say; returns the job's exit code."""
     from dtrain.cli.launcher import plan_local, run_local

@@ -34,6 +34,6 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 echo "setup: pip install $TORCH_SPEC"
 .venv/bin/python -m pip install -q "$TORCH_SPEC"
-echo "setup: pip install -e .[dev,tensorboard]"
-.venv/bin/python -m pip install -q -e ".[dev,tensorboard]"
+echo "setup: pip install -e .[dev,lora,tensorboard]"
+.venv/bin/python -m pip install -q -e ".[dev,lora,tensorboard]"
 echo "setup: done. Activate with: source .venv/bin/activate"

@@ -36,7 +36,10 @@ class Backend(str, enum.Enum):
 
 def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
     """A dataclass field with help text; the help shows in `--help` and `dtrain config show`."""
-    return dataclasses.field(default=default, metadata={"help": help, **kw})
+    meta = {"help": help, **kw}
+    if isinstance(default, list):  # mutable: each instance gets its own copy
+        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -161,6 +164,10 @@ def build(cls: type[T], values: Mapping[str, Any]) -> T:
     if unknown:
         raise UserError(f"unknown option {unknown[0]!r} for {cls.__name__} (known: {', '.join(sorted(known))})")
 
+    missing = [k for k, f, _ in scalar_fields(cls) if k not in values and _required(f)]
+    if missing:
+        raise UserError(f"missing required option {flag(missing[0])}")
+
     def make(c: type) -> Any:
         kwargs = {}
         for f in dataclasses.fields(c):
@@ -178,6 +185,10 @@ def build(cls: type[T], values: Mapping[str, Any]) -> T:
         return make(cls)
     except ValueError as e:
         raise UserError(f"invalid configuration: {e}") from None
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
 
 
 def flatten(cfg: Any) -> dict[str, Any]:
@@ -215,9 +226,12 @@ def make_parser(cls: type, prog: str, description: str) -> argparse.ArgumentPars
     then sit beneath it."""
     p = argparse.ArgumentParser(prog=prog, description=description, argument_default=argparse.SUPPRESS)
     for key, f, tp in scalar_fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        shown = default.value if isinstance(default, enum.Enum) else default
-        help_text = f"{f.metadata.get('help', '')} (default: {shown!r})"
+        if _required(f):
+            help_text = f"{f.metadata.get('help', '')} (required)"
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            shown = default.value if isinstance(default, enum.Enum) else default
+            help_text = f"{f.metadata.get('help', '')} (default: {shown!r})"
         if tp is bool:
             p.add_argument(flag(key), dest=key, action=argparse.BooleanOptionalAction, help=help_text)
         else:

@@ -1,0 +1,207 @@
+"""Base models and tokenizers for LoRA: a Hugging Face id or a local directory, or a built-in preset
+made from a transformers config with random weights (offline; the tests and benchmarks use them).
+
+Presets pair with a byte-level tokenizer: every UTF-8 byte is a token, plus end-of-text and padding,
+so they need no vocabulary file. `qwen2.5-0.5b-shape` has Qwen2.5-0.5B's published shapes (24
+layers, hidden 896, 14 query / 2 key-value heads, MLP 4864, vocabulary 151,936, tied embeddings)
+for throughput benchmarks; its weights are random.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dtrain.common import env as envmod
+from dtrain.common.errors import UserError
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0-255; 256 ends a document, 257 pads."""
+
+    vocab_size = 258
+    eos_token_id = 256
+    pad_token_id = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def save_pretrained(self, directory: str) -> None:  # nothing to save: the mapping is fixed
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "byte_tokenizer.txt").write_text("UTF-8 bytes 0-255; 256 = end of text; 257 = pad\n")
+
+
+class HFTokenizer:
+    """A transformers tokenizer, used in batches and without adding special tokens mid-document."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+        self.eos_token_id = tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
+        if self.eos_token_id is None:
+            raise UserError(f"tokenizer {tok.name_or_path!r} has no end-of-text token to separate documents")
+        self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_token_id
+        self.vocab_size = len(tok)
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        return self.tok(texts, add_special_tokens=False)["input_ids"]
+
+    def save_pretrained(self, directory: str) -> None:
+        self.tok.save_pretrained(directory)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    family: str
+    kwargs: dict[str, Any]
+    targets: tuple[str, ...]
+
+
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PRESETS = {
+    # The issue's CPU benchmark model: 4 layers, 256 wide, Llama-shaped, byte-level tokenizer.
+    "tiny-llama": Preset(
+        "llama",
+        dict(
+            vocab_size=ByteTokenizer.vocab_size,
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=4096,
+        ),
+        LLAMA_TARGETS,
+    ),
+    "tiny-gpt2": Preset(
+        "gpt2",
+        dict(vocab_size=ByteTokenizer.vocab_size, n_embd=256, n_layer=4, n_head=4, n_positions=4096),
+        ("c_attn", "c_proj", "c_fc"),
+    ),
+    "qwen2.5-0.5b-shape": Preset(
+        "qwen2",
+        dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=1_000_000.0,
+            tie_word_embeddings=True,
+        ),
+        LLAMA_TARGETS,
+    ),
+}
+# Default LoRA targets by model_type: attention and MLP projections.
+DEFAULT_TARGETS = {
+    "llama": LLAMA_TARGETS,
+    "mistral": LLAMA_TARGETS,
+    "qwen2": LLAMA_TARGETS,
+    "qwen3": LLAMA_TARGETS,
+    "gemma": LLAMA_TARGETS,
+    "gemma2": LLAMA_TARGETS,
+    "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+    "gpt2": ("c_attn", "c_proj", "c_fc"),
+    "gpt_neox": ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"),
+    "opt": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+}
+
+
+def hub_reachable() -> bool:
+    """Whether the Hugging Face hub's host resolves (HF_ENDPOINT honoured); no request is sent."""
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+        return True
+    except OSError:
+        return False
+
+
+def hf_token() -> str | None:
+    """HF_TOKEN for gated or private models; passed to the hub client, never printed."""
+    return os.environ.get("HF_TOKEN") or None
+
+
+def load_base(name: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, Any]:
+    """The base causal LM (frozen later by peft) and its tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if name in PRESETS:
+        p = PRESETS[name]
+        config = AutoConfig.for_model(p.family, **p.kwargs)
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)  # the same base weights on every rank and every resume
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        return model, ByteTokenizer()
+    source = "directory" if Path(name).is_dir() else "model id"
+    # Without a route to the hub, don't let its client retry for most of a minute: use the cache only.
+    local = source == "directory" or envmod.offline() or not hub_reachable()
+    kw: dict[str, Any] = {"token": hf_token(), "local_files_only": local}
+    try:
+        tok = AutoTokenizer.from_pretrained(name, **kw)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa", **kw)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"cannot load {source} {name!r}: {first[:240].rstrip('.')}. Use a local model directory, a preset "
+            f"({', '.join(PRESETS)}), or a hub id on a machine with internet (HF_TOKEN for gated models)"
+        ) from None
+    return model, HFTokenizer(tok)
+
+
+def default_targets(model: torch.nn.Module, name: str) -> list[str]:
+    if name in PRESETS:
+        return list(PRESETS[name].targets)
+    model_type = getattr(model.config, "model_type", "")
+    if model_type in DEFAULT_TARGETS:
+        return list(DEFAULT_TARGETS[model_type])
+    linear = sorted(linear_names(model) - {"lm_head"})
+    if not linear:
+        raise UserError(f"no linear layers to adapt in {name!r} ({model_type}); pass --target-modules")
+    return linear
+
+
+def linear_names(model: torch.nn.Module) -> set[str]:
+    """Last name parts of the model's linear layers (what --target-modules matches)."""
+    from transformers.pytorch_utils import Conv1D  # GPT-2's projections
+
+    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))}
+
+
+def apply_lora(
+    model: torch.nn.Module, name: str, *, r: int, alpha: float, dropout: float, targets: list[str], seed: int
+) -> tuple[torch.nn.Module, list[str]]:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targets = targets or default_targets(model, name)
+    present = linear_names(model)
+    unknown = [t for t in targets if t not in present]
+    if unknown:
+        raise UserError(
+            f"--target-modules {', '.join(unknown)} match no layer of {name!r}; its linear layers are: "
+            f"{', '.join(sorted(present))}"
+        )
+    cfg = PeftLoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+        fan_in_fan_out=getattr(model.config, "model_type", "") == "gpt2",
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed + 1)  # peft draws LoRA's A matrices from the global generator
+        return get_peft_model(model, cfg), targets
