@@ -72,9 +72,6 @@ def plan_local(
     if resume:
         run = locate(output, resume)
         run_id = run.url.rstrip("/").rsplit("/", 1)[-1]
-        saved = read_json(run, "config.json") or {}
-        if saved.get("workload", workload) != workload:
-            raise UserError(f"run {run.url} is a {saved['workload']} run: use `dtrain train {saved['workload']}`")
         args = {**workload_args, "output": output, "resume": run.url}
     else:
         run_id = workload_args.get("run_id") or new_run_id(workload)

@@ -229,15 +229,20 @@ def load_settings(
     config_path: Path | None = None,
     flags: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
+    saved: tuple[str, str, Mapping[str, Any]] | None = None,
 ) -> Settings:
-    """Resolve defaults < config file < DTRAIN_* variables < flags, and validate the result.
+    """Resolve defaults < saved run < config file < DTRAIN_* variables < flags, and validate the result.
 
     config_path: --config (must exist); None reads ./dtrain.toml if there is one.
     flags: dotted key -> value the user gave on the command line; None means not given.
     env: defaults to os.environ.
+    saved: on --resume, (source label, workload, the run's flat config from its config.json), so a
+        resumed run keeps its own settings unless the file, environment or flags say otherwise.
     """
     keys = schema()
     values = {k.key: _unset(k) for k in keys.values()}
+    if saved is not None:
+        _apply_saved(*saved, keys, values)
     path, data = _read_file(config_path)
     clusters: dict[str, ClusterConfig] = {}
     if path is not None:
@@ -366,14 +371,33 @@ def _apply_env(env: Mapping[str, str], keys: dict[str, _Key], values: dict[str, 
         if k is None:
             # Compared without the shared prefix, which would make every name look close.
             suffixes = [n.removeprefix(ENV_PREFIX) for n in by_env]
-            close = difflib.get_close_matches(var.removeprefix(ENV_PREFIX), suffixes, n=1)
+            wanted = var.removeprefix(ENV_PREFIX)
+            # A field named without its section (DTRAIN_EPOCHS): offer it in every section that has it.
+            same_field = [n.removeprefix(ENV_PREFIX) for n, k2 in by_env.items() if k2.name.upper() == wanted]
+            close = same_field or difflib.get_close_matches(wanted, suffixes, n=1)
             hint = (
-                f"did you mean {ENV_PREFIX}{close[0]}?"
+                f"did you mean {' or '.join(ENV_PREFIX + c for c in sorted(close))}?"
                 if close
                 else "run.X is DTRAIN_X, <section>.X is DTRAIN_<SECTION>_X"
             )
             raise UserError(f"unknown environment variable {var} ({hint}); unset it or fix its name")
         values[k.key] = _Value(_coerce(k, env[var], var, from_text=True), var)
+
+
+# Where a run lives, not how it trains: never taken from a saved run.
+PLACEMENT = frozenset({"output", "run_id", "resume"})
+
+
+def _apply_saved(
+    label: str, workload: str, flat: Mapping[str, Any], keys: dict[str, _Key], values: dict[str, _Value]
+) -> None:
+    for name, raw in flat.items():
+        if name in PLACEMENT:
+            continue
+        k = keys.get(f"{workload}.{name}") or keys.get(f"run.{name}")
+        if k is None:
+            continue  # a key this version no longer has; the workload's own check will speak
+        values[k.key] = _Value(_coerce(k, raw, label), label)
 
 
 def _apply_flags(flags: Mapping[str, Any], keys: dict[str, _Key], values: dict[str, _Value]) -> None:

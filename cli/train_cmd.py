@@ -177,8 +177,17 @@ def launch(workload: str, flags: dict[str, Any]) -> int:
     """Resolve the settings and run `workload` where they say; returns the job's exit code."""
     from dtrain.cli.launcher import plan_local, run_local
     from dtrain.cli.settings import ClusterBackend, get_cluster, load_settings
+    from dtrain.common.rundir import locate, read_json
 
     settings = load_settings(console.state.config_path, flags)
+    if settings.run.resume:
+        # The run's own config sits beneath the file, environment and flags.
+        run = locate(settings.run.output, settings.run.resume)
+        saved = read_json(run, "config.json") or {}
+        if saved.get("workload", workload) != workload:
+            raise UserError(f"run {run.url} is a {saved['workload']} run: use `dtrain train {saved['workload']}`")
+        flat = saved.get("config") or {}
+        settings = load_settings(console.state.config_path, flags, saved=(f"{run.url}/config.json", workload, flat))
     settings.workload(workload)  # validate the whole workload config before starting anything
     cluster = get_cluster(settings)
     if cluster.backend != ClusterBackend.LOCAL:

@@ -74,13 +74,13 @@ def test_show_table(cwd, capsys):
             {"DTRAIN_MNIST_EPOCHS": "0"},
             "invalid configuration: mnist.epochs (from DTRAIN_MNIST_EPOCHS): must be >= 1, got 0",
         ),
-        ([], {}, "unknown workload 'lora' (known: mnist)"),
+        ([], {}, "unknown workload 'gpt' (known: lora, mnist)"),
     ],
 )
 def test_show_errors_are_one_line_and_exit_2(cwd, capsys, monkeypatch, argv, env, message):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    extra = ["--workload", "lora"] if "lora" in message else []
+    extra = ["--workload", "gpt"] if "'gpt'" in message else []
     assert run([*argv, "config", "show", "--json", *extra]) == 2
     out, err = capsys.readouterr()
     assert out == ""

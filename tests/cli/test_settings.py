@@ -183,7 +183,7 @@ def test_items_for_display(cwd):
     assert by_key["run.precision"].as_dict() == {"key": "run.precision", "value": "fp16", "source": "dtrain.toml"}
     assert by_key["clusters.gpu.backend"].value == "gcp"
     assert by_key["run.nproc"].help.startswith("processes per node")
-    assert error_of(lambda: load_settings(env={}).items("lora")) == "unknown workload 'lora' (known: mnist)"
+    assert error_of(lambda: load_settings(env={}).items("gpt")) == "unknown workload 'gpt' (known: lora, mnist)"
 
 
 def error_of(fn) -> str:
@@ -224,7 +224,7 @@ def test_unknown_key_names_key_and_file(cwd):
 
 def test_unknown_section_and_keys_outside_sections(cwd):
     write(cwd / "dtrain.toml", "[mnsit]\nepochs = 3\n")
-    assert error() == "dtrain.toml: unknown section [mnsit] (known: [run], [mnist], [clusters.NAME])"
+    assert error() == "dtrain.toml: unknown section [mnsit] (known: [run], [mnist], [lora], [clusters.NAME])"
     write(cwd / "dtrain.toml", "epochs = 3\n")
     assert error() == "dtrain.toml: epochs = ... is outside any section; put it under [mnist]"
     write(cwd / "dtrain.toml", "run = 3\n")
@@ -294,7 +294,8 @@ def test_unknown_env_variable_is_named(cwd):
         "unknown environment variable DTRAIN_MNIST_EPOCH (did you mean DTRAIN_MNIST_EPOCHS?); unset it or fix its name"
     )
     assert error(env={"DTRAIN_EPOCHS": "1"}) == (
-        "unknown environment variable DTRAIN_EPOCHS (did you mean DTRAIN_MNIST_EPOCHS?); unset it or fix its name"
+        "unknown environment variable DTRAIN_EPOCHS (did you mean DTRAIN_LORA_EPOCHS or DTRAIN_MNIST_EPOCHS?); "
+        "unset it or fix its name"
     )
 
 
@@ -422,3 +423,32 @@ def test_a_registered_workload_gets_a_section_variables_and_rows(tmp_path, cwd, 
     cfg = s.workload("toy")
     assert (cfg.model, cfg.max_steps, cfg.run.seed) == ("tiny", 5, 1)
     assert "mnist.epochs" not in {i.key for i in describe(s, "toy")}
+
+
+def test_a_resumed_runs_saved_config_sits_beneath_file_env_and_flags(cwd):
+    saved = (
+        "runs/r/config.json",
+        "lora",
+        {
+            "model": "tiny-llama",
+            "data": "a.txt",
+            "lora_r": 4,
+            "seed": 7,
+            "output": "elsewhere",
+            "run_id": "r",
+            "not_a_key_any_more": 1,
+        },
+    )
+    s = load_settings(env={}, saved=saved)
+    cfg = s.workload("lora")
+    assert (cfg.model, cfg.data, cfg.lora_r, cfg.run.seed) == ("tiny-llama", "a.txt", 4, 7)
+    assert s.source("lora.lora_r") == "runs/r/config.json" and s.source("run.seed") == "runs/r/config.json"
+    assert s.run.output == "runs" and s.run.run_id == ""  # where a run lives is never inherited
+    write(cwd / "dtrain.toml", "[lora]\nlora_r = 8\n")
+    s = load_settings(env={"DTRAIN_SEED": "9"}, flags={"lora.data": "b.txt"}, saved=saved)
+    assert (s.workload("lora").lora_r, s.workload("lora").data, s.run.seed) == (8, "b.txt", 9)
+    assert (s.source("lora.lora_r"), s.source("lora.data"), s.source("run.seed")) == (
+        "dtrain.toml",
+        "--data",
+        "DTRAIN_SEED",
+    )

@@ -10,14 +10,23 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+import runs
 import torch
+from runs import (
+    assert_no_workers_left,
+    env,
+    latest_step,
+    metrics,
+    only_run,
+    peers,
+    run_dir_of,
+    wait_for,
+)
 from safetensors.torch import load_file
 
-from dtrain.common.checkpoint import find_latest
 from dtrain.common.storage import open_store
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -25,7 +34,6 @@ pytestmark = pytest.mark.skipif(
     not (FASHION / "train-images-idx3-ubyte.gz").exists(),
     reason="needs Debian's dataset-fashion-mnist (apt-get install dataset-fashion-mnist)",
 )
-CLI = [sys.executable, "-c", "from dtrain.cli.main import main; main()"]
 # 4096 images, batch 64: 64 steps an epoch, logged and checkpointed every 16 steps.
 SMALL = [
     "--dataset",
@@ -39,68 +47,19 @@ SMALL = [
     "--checkpoint-every",
     "16",
 ]
-ENV = {"DTRAIN_LOG_EVERY": "16", "DTRAIN_OFFLINE": "1"}
-POLL_S = 0.05
+LOG_EVERY = {"DTRAIN_LOG_EVERY": "16"}
 
 
-def env(**extra: str) -> dict[str, str]:
-    return {**os.environ, **ENV, **extra}
-
-
-def dtrain(args: list[str], cwd: Path, timeout: float = 240, **extra_env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*CLI, *args], cwd=cwd, env=env(**extra_env), capture_output=True, text=True, timeout=timeout, check=False
-    )
+def dtrain(args: list[str], cwd: Path, **extra_env: str) -> subprocess.CompletedProcess:
+    return runs.dtrain(args, cwd, **LOG_EVERY, **extra_env)
 
 
 def start(args: list[str], cwd: Path, **extra_env: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [*CLI, *args], cwd=cwd, env=env(**extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-
-
-def only_run(out: Path) -> Path:
-    (run,) = [p for p in out.iterdir() if p.is_dir()]
-    return run
-
-
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return runs.start(args, cwd, **LOG_EVERY, **extra_env)
 
 
 def losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in metrics(run) if "loss" in r}
-
-
-def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout else ""
-            pytest.fail(f"the run ended (rc {proc.returncode}) before {what}:\n{out}")
-        time.sleep(POLL_S)
-    proc.kill()
-    pytest.fail(f"timed out waiting for {what}")
-
-
-def latest_step(run: Path) -> int:
-    found = find_latest(open_store(str(run / "checkpoints"))) if (run / "checkpoints").exists() else None
-    return found.step if found else 0
-
-
-def peers(run: Path) -> list[dict]:
-    status = json.loads((run / "status.json").read_text())
-    return status.get("peers", []) if status.get("state") == "running" else []
-
-
-def assert_no_workers_left(run_dirs: list[Path]) -> None:
-    """No process of these runs survives (the launcher and PR_SET_PDEATHSIG see to it)."""
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    for run in run_dirs:
-        assert run.name not in out, f"processes of {run.name} are still running:\n{out}"
 
 
 def start_run(cwd: Path, pause_s: str, *args: str) -> tuple[subprocess.Popen, Path]:
@@ -112,12 +71,6 @@ def start_run(cwd: Path, pause_s: str, *args: str) -> tuple[subprocess.Popen, Pa
         DTRAIN_INTERNAL_FAULT_PAUSE_BEFORE_COMMIT=pause_s,
     )
     return proc, run_dir_of(cwd, proc)
-
-
-def run_dir_of(cwd: Path, proc: subprocess.Popen) -> Path:
-    """The one run directory under cwd/runs, once the run has made it."""
-    runs = cwd / "runs"
-    return wait_for(lambda: runs.exists() and any(runs.iterdir()) and only_run(runs), proc, what="the run directory")
 
 
 def resume_equals_reference(
