@@ -7,8 +7,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-out = Console()
-err = Console(stderr=True)
+# soft_wrap: never hard-wrap a line (a path or URL split over lines breaks grep and copy-paste).
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 
 @dataclasses.dataclass

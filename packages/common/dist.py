@@ -15,6 +15,7 @@ import re
 import signal
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,12 +64,22 @@ class Dist:
         return self.peers[self.rank] if self.peers else Peer(self.rank, self.env.hostname, os.getpid())
 
     def any(self, flag: bool) -> bool:
-        """True on every rank if it is True on any rank (e.g. 'a SIGTERM arrived somewhere')."""
+        """True on every rank if it is True on any rank (e.g. 'a SIGTERM arrived somewhere').
+
+        Runs on the CPU (gloo) group: a GPU tensor here would make the host wait for the GPU's
+        queue on every call, stalling the pipeline once per step."""
         if self.backend is None:
             return flag
-        t = torch.tensor([1 if flag else 0], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t = torch.tensor([1 if flag else 0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._cpu_group)
         return bool(t.item())
+
+    def synchronize(self) -> float:
+        """Wait for this rank's queued GPU work; returns time.perf_counter() after it. Timers that
+        pause around evaluation call this first, or queued training work would go uncounted."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""

@@ -122,10 +122,24 @@ def pack(stream: torch.Tensor, seq_len: int, eval_fraction: float, seed: int, so
     return Blocks(train=blocks[order[n_eval:]], eval=blocks[order[:n_eval]], tokens=stream.numel(), documents=0)
 
 
-def load_blocks(spec: str, text_field: str, tokenizer: Any, seq_len: int, eval_fraction: float, seed: int) -> Blocks:
+def read_documents(spec: str, text_field: str) -> list[str]:
+    """The non-empty documents of `spec`; read before the model loads, so bad data fails fast."""
     texts = [t for t in read_texts(spec, text_field) if t]
     if not texts:
         raise UserError(f"--data {spec} holds no text")
+    return texts
+
+
+def load_blocks(
+    spec: str,
+    text_field: str,
+    tokenizer: Any,
+    seq_len: int,
+    eval_fraction: float,
+    seed: int,
+    texts: list[str] | None = None,
+) -> Blocks:
+    texts = texts if texts is not None else read_documents(spec, text_field)
     blocks = pack(tokenize(tokenizer, texts), seq_len, eval_fraction, seed, spec)
     blocks.documents = len(texts)
     return blocks

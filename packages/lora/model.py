@@ -153,6 +153,8 @@ def load_base(name: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa", **kw)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if local and source == "model id":
+            first = "not in the local Hugging Face cache, and the hub is out of reach (offline)"
         raise UserError(
             f"cannot load {source} {name!r}: {first[:240].rstrip('.')}. Use a local model directory, a preset "
             f"({', '.join(PRESETS)}), or a hub id on a machine with internet (HF_TOKEN for gated models)"

@@ -26,7 +26,7 @@ from dtrain.common.config import Precision
 from dtrain.common.errors import Preempted, UserError
 from dtrain.common.workload import Context, run_workload
 from dtrain.lora.config import LoraConfig
-from dtrain.lora.data import Blocks, load_blocks
+from dtrain.lora.data import Blocks, load_blocks, read_documents
 from dtrain.lora.model import apply_lora, load_base
 
 MIN_LR_FRACTION = 0.1
@@ -122,6 +122,7 @@ def train(ctx: Context) -> dict[str, Any]:
         )
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
 
+    texts = read_documents(cfg.data, cfg.text_field)
     model, tokenizer = load_base(cfg.model, base_dtype(ctx.precision.mode, d.device), seed=cfg.run.seed)
     model, targets = apply_lora(
         model,
@@ -134,7 +135,9 @@ def train(ctx: Context) -> dict[str, Any]:
     )
     model.to(d.device)
     vocab = getattr(model.config, "vocab_size", None)
-    blocks: Blocks = load_blocks(cfg.data, cfg.text_field, tokenizer, cfg.seq_len, cfg.eval_fraction, cfg.run.seed)
+    blocks: Blocks = load_blocks(
+        cfg.data, cfg.text_field, tokenizer, cfg.seq_len, cfg.eval_fraction, cfg.run.seed, texts=texts
+    )
     if vocab is not None and int(blocks.train.max()) >= vocab:
         raise UserError(
             f"the tokenizer produced id {int(blocks.train.max())} but {cfg.model!r} has {vocab} embeddings: "
@@ -229,19 +232,19 @@ def train(ctx: Context) -> dict[str, Any]:
             window.zero_()
             window_steps, window_start = 0, time.perf_counter()
 
-        paused_at = time.perf_counter()
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == total:
+            paused_at = d.synchronize()  # evaluation is not training throughput
             metrics.update(evaluate(ctx, ddp, blocks.eval, micro, cfg.eval_batches))
             report.log(step, **{k: metrics[k] for k in ("eval_loss", "eval_perplexity")})
             report.info(
                 f"step {step}/{total}: eval loss {metrics['eval_loss']:.4f}, "
                 f"perplexity {metrics['eval_perplexity']:.3f}"
             )
+            window_start += time.perf_counter() - paused_at
         stop = ctx.stop_requested()
         ctx.ckpt.save(step, snapshot, epoch_end=in_epoch + 1 == steps_per_epoch, last=stop or step == total)
         if stop:
             raise Preempted()
-        window_start += time.perf_counter() - paused_at
 
     final = {
         "model": cfg.model,
@@ -262,6 +265,9 @@ def train(ctx: Context) -> dict[str, Any]:
 def export(ctx: Context, model: Any, tokenizer: Any, merge: bool) -> None:
     """final/adapter in PEFT's own format (adapter_config.json + adapter_model.safetensors), loadable
     with peft.PeftModel.from_pretrained(base, path); with merge, final/merged as a plain model."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a shard-writing bar in a log file is noise
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(f"{tmp}/adapter")
         if merge:

@@ -197,8 +197,8 @@ def train(ctx: Context) -> dict[str, Any]:
             window_start, window_steps = time.perf_counter(), 0
 
         epoch_end = step % steps_per_epoch == 0
-        paused_at = time.perf_counter()  # evaluation and checkpointing are not training throughput
         if epoch_end:
+            paused_at = d.synchronize()  # evaluation is not training throughput
             metrics.update(evaluate(ctx, model, eval_data, norm, cfg.eval_batch_size))
             best = max(best, metrics["eval_accuracy"])
             report.log(step, epoch=step // steps_per_epoch, **{k: metrics[k] for k in ("eval_accuracy", "eval_loss")})
@@ -206,11 +206,11 @@ def train(ctx: Context) -> dict[str, Any]:
                 f"epoch {step // steps_per_epoch}/{cfg.epochs}: eval accuracy "
                 f"{metrics['eval_accuracy']:.4f}, loss {metrics['eval_loss']:.4f}"
             )
+            window_start += time.perf_counter() - paused_at
         stop = ctx.stop_requested()
         ctx.ckpt.save(step, snapshot, epoch_end=epoch_end, last=stop or step == total)
         if stop:
             raise Preempted()
-        window_start += time.perf_counter() - paused_at
 
     final = {
         "dataset": cfg.dataset.value,

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ from safetensors.torch import load_file
 
 pytest.importorskip("peft", reason="needs the lora extra: pip install -e .[lora]")
 
-STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # 40 optimizer steps of 8 blocks of 64 byte-tokens, checkpointed every 5, evaluated at 0, 20, 40.
 ARGS = [
     "--model",
@@ -37,13 +35,6 @@ ARGS = [
     "20",
 ]
 LOG_EVERY = {"DTRAIN_LOG_EVERY": "5"}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "stdlib.txt"
-    path.write_text("\n".join((STDLIB / f).read_text() for f in ("textwrap.py", "string.py", "shutil.py")))
-    return path
 
 
 def train(cwd: Path, corpus: Path, *extra: str, **env: str) -> subprocess.CompletedProcess:
@@ -116,3 +107,104 @@ def test_kill_9_then_resume_gives_the_same_adapter(tmp_path, corpus, reference):
     got, want = adapter(run), adapter(reference)
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-6
     assert evals(run)[40] == pytest.approx(evals(reference)[40], abs=1e-6)
+
+
+def test_gradient_accumulation_equals_one_big_micro_batch(tmp_path, corpus):
+    """batch 8 as 2 micro-batches of 4 must train the same adapter as 1 micro-batch of 8."""
+    out = {}
+    for accum in ("1", "2"):
+        cwd = tmp_path / f"accum{accum}"
+        cwd.mkdir()
+        r = runs.dtrain(
+            [
+                "train",
+                "lora",
+                "--model",
+                "tiny-llama",
+                "--data",
+                str(corpus),
+                "--seq-len",
+                "64",
+                "--batch-size",
+                "8",
+                "--grad-accum",
+                accum,
+                "--max-steps",
+                "6",
+                "--lr",
+                "2e-3",
+                "--nproc",
+                "1",
+                "--output",
+                "runs",
+            ],
+            cwd,
+            DTRAIN_LOG_EVERY="2",
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        out[accum] = only_run(cwd / "runs")
+    a, b = adapter(out["1"]), adapter(out["2"])
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    la = {m["step"]: m["loss"] for m in metrics(out["1"]) if "loss" in m}
+    lb = {m["step"]: m["loss"] for m in metrics(out["2"]) if "loss" in m}
+    assert la == pytest.approx(lb, rel=1e-5)
+
+
+def test_a_local_model_directory_with_its_own_tokenizer(tmp_path, corpus):
+    """--model DIR: a Llama and a BPE tokenizer trained here, saved as transformers saves them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train(
+        [str(corpus)],
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="</s>")
+    model_dir = tmp_path / "my-model"
+    tok.save_pretrained(model_dir)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+        )
+    ).save_pretrained(model_dir)
+
+    r = runs.dtrain(
+        [
+            "train",
+            "lora",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(corpus),
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "4",
+            "--max-steps",
+            "8",
+            "--lr",
+            "5e-3",
+            "--nproc",
+            "1",
+            "--output",
+            "runs",
+        ],
+        tmp_path,
+        DTRAIN_LOG_EVERY="4",
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    run = only_run(tmp_path / "runs")
+    cfg = json.loads((run / "final" / "adapter" / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(model_dir) and cfg["r"] == 8
+    ppl = evals(run)
+    assert ppl[8] < ppl[0]  # BPE tokens of real text: it learns something in 8 steps
