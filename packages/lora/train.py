@@ -27,6 +27,7 @@ from dtrain.common.errors import Preempted, UserError
 from dtrain.common.workload import Context, run_workload
 from dtrain.lora.config import LoraConfig
 from dtrain.lora.data import Blocks, load_blocks, read_documents
+from dtrain.lora.fused import fuse_lora_linears
 from dtrain.lora.model import apply_lora, load_base
 
 MIN_LR_FRACTION = 0.1
@@ -134,6 +135,7 @@ def train(ctx: Context) -> dict[str, Any]:
         seed=cfg.run.seed,
     )
     model.to(d.device)
+    fuse_lora_linears(model)  # exact regrouping of peft's arithmetic; falls back where it does not apply
     vocab = getattr(model.config, "vocab_size", None)
     blocks: Blocks = load_blocks(
         cfg.data, cfg.text_field, tokenizer, cfg.seq_len, cfg.eval_fraction, cfg.run.seed, texts=texts
