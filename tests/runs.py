@@ -3,6 +3,7 @@ that nothing of a run is left running."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -80,3 +81,54 @@ def run_dir_of(cwd: Path, proc: subprocess.Popen) -> Path:
     """The one run directory under cwd/runs, once the run has made it."""
     runs = cwd / "runs"
     return wait_for(lambda: runs.exists() and any(runs.iterdir()) and only_run(runs), proc, what="the run directory")
+
+
+def only_run_in_bucket(out: str, cwd: Path, expected: tuple[str, ...]) -> str:
+    """The id of the one run under the gs:// prefix `out`, after checking it holds `expected` and that
+    nothing went to the local disk."""
+    names = open_store(out).list("")
+    (run_id,) = {n.split("/")[0] for n in names}
+    missing = [e for e in expected if f"{run_id}/{e}" not in names]
+    assert not missing, f"not in the bucket: {missing}; it has {names}"
+    assert not (cwd / "runs").exists()
+    return run_id
+
+
+# -- bad-input checks: one isolated CLI call, its exit code and its single error line ----------------
+
+CLI_TIMEOUT_S = 120
+
+
+@dataclasses.dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+    def error_line(self) -> str:
+        """The one `error:` line on stderr, after checking there is exactly one and no traceback."""
+        assert "Traceback" not in self.err, self.err
+        lines = [ln for ln in self.err.splitlines() if ln.startswith("error:")]
+        assert len(lines) == 1, self.err
+        return lines[0]
+
+
+def isolated_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The caller's environment without any DTRAIN_* or HF_* setting, offline, with caches in tmp_path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DTRAIN_", "HF_"))}
+    env.update(DTRAIN_OFFLINE="1", DTRAIN_CACHE_DIR=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "hf"))
+    env.update(extra)
+    return env
+
+
+def cli(cwd: Path, *args: str, env: dict[str, str] | None = None) -> Result:
+    p = subprocess.run(
+        [*CLI, *args],
+        cwd=cwd,
+        env=env if env is not None else isolated_env(cwd),
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        check=False,
+    )
+    return Result(p.returncode, p.stdout, p.stderr)

@@ -11,57 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from helpers import IMAGE_STEMS, write_dataset
+from runs import Result, cli, isolated_env
 
 from dtrain.common.errors import ExitCode
 from dtrain.mnist import data as mnist_data
 from dtrain.mnist.config import Dataset
 
-CLI = [sys.executable, "-c", "from dtrain.cli.main import main; main()"]
-CLI_TIMEOUT_S = 120  # a real (tiny) training run takes ~6 s on 2 shared CPU cores
 TRAIN = ["train", "mnist", "--nproc", "1", "--epochs", "1"]
 
 
-@dataclasses.dataclass
-class Result:
-    code: int
-    out: str
-    err: str
-
-    def error_line(self) -> str:
-        """The one `error:` line on stderr, after checking there is exactly one and no traceback."""
-        assert "Traceback" not in self.err, self.err
-        lines = [ln for ln in self.err.splitlines() if ln.startswith("error:")]
-        assert len(lines) == 1, self.err
-        return lines[0]
-
-
-def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DTRAIN_")}
-    env["DTRAIN_OFFLINE"] = "1"
-    env["DTRAIN_CACHE_DIR"] = str(tmp_path / "cache")
-    env.update(extra)
-    return env
-
-
-def dtrain(cwd: Path, *args: str, env: dict[str, str] | None = None) -> Result:
-    p = subprocess.run(
-        [*CLI, *args],
-        cwd=cwd,
-        env=env if env is not None else cli_env(cwd),
-        capture_output=True,
-        text=True,
-        timeout=CLI_TIMEOUT_S,
-        check=False,
-    )
-    return Result(p.returncode, p.stdout, p.stderr)
+dtrain = cli  # these tests read as `dtrain <args>`
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +122,7 @@ def refused_resume(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path) ->
     assert first.code == ExitCode.OK, first.out + first.err
     (run_dir,) = (cwd / "runs").iterdir()
     before = _snapshot(run_dir / "checkpoints") | _snapshot(run_dir / "final", "final/")
-    resumed = dtrain(cwd, *args, "--resume", run_dir.name, env=cli_env(cwd, DTRAIN_MNIST_WIDTH="32"))
+    resumed = dtrain(cwd, *args, "--resume", run_dir.name, env=isolated_env(cwd, DTRAIN_MNIST_WIDTH="32"))
     after = _snapshot(run_dir / "checkpoints") | _snapshot(run_dir / "final", "final/")
     runs = dtrain(cwd, "runs", "--json")
     assert runs.code == 0, runs.err

@@ -26,6 +26,10 @@ from dtrain.common.config import Backend
 from dtrain.common.env import LaunchEnv
 from dtrain.common.errors import UserError
 
+# How long ranks wait for each other at the end: rank 0 may still be writing the final model
+# (a merged LLM uploaded to a bucket takes minutes).
+SHUTDOWN_WAIT_S = 3600.0
+
 
 class PeerFailure(RuntimeError):
     """A collective failed or timed out because another rank died or hung. The message names
@@ -257,6 +261,11 @@ def distributed(backend: Backend = Backend.AUTO, timeout_s: float = 300.0) -> It
             me = {"rank": d.rank, "host": env.hostname, "pid": os.getpid(), "addr": route_to(env.master_addr)}
             d.peers = [Peer(**p) for p in d.gather(me)]
         yield d
+        if d.backend is not None:
+            # Leave together: a rank that tears its connections down while a peer is still
+            # working (rank 0 writing the final model, say) can make the peer's gloo threads
+            # abort the process. Only on success: after a failure a peer may never arrive.
+            d.barrier("shutdown", timeout=max(timeout_s, SHUTDOWN_WAIT_S))
     finally:
         if dist.is_available() and dist.is_initialized():
             with contextlib.suppress(Exception):

@@ -10,48 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from runs import Result, cli
 
 from dtrain.common.errors import ExitCode
 from dtrain.lora.model import PRESETS
 
-CLI = [sys.executable, "-c", "from dtrain.cli.main import main; main()"]
-CLI_TIMEOUT_S = 120  # offline, an unknown model must fail at once, not after the hub client's retries
 TINY = ["--seq-len", "64", "--batch-size", "4", "--max-steps", "2", "--nproc", "1", "--output", "runs"]
 
 
-@dataclasses.dataclass
-class Result:
-    code: int
-    out: str
-    err: str
-
-    def error_line(self) -> str:
-        """The one `error:` line on stderr, after checking there is exactly one and no traceback."""
-        assert "Traceback" not in self.err, self.err
-        lines = [ln for ln in self.err.splitlines() if ln.startswith("error:")]
-        assert len(lines) == 1, self.err
-        return lines[0]
-
-
-def cli_env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DTRAIN_", "HF_"))}
-    env["DTRAIN_OFFLINE"] = "1"
-    env["DTRAIN_CACHE_DIR"] = str(tmp_path / "cache")
-    env["HF_HOME"] = str(tmp_path / "hf")
-    return env
-
-
-def dtrain(cwd: Path, *args: str) -> Result:
-    p = subprocess.run(
-        [*CLI, *args], cwd=cwd, env=cli_env(cwd), capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False
-    )
-    return Result(p.returncode, p.stdout, p.stderr)
+dtrain = cli  # these tests read as `dtrain <args>`
 
 
 def train(cwd: Path, *args: str) -> Result:

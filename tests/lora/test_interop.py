@@ -129,20 +129,20 @@ def test_a_run_in_a_bucket_exports_there_and_resumes_from_it(tmp_path, gcs_bucke
     out = f"{gcs_bucket}/runs"
     train(tmp_path, "--data", str(corpus), "--max-steps", "4", "--output", out)
     root = open_store(out)
-    names = root.list("")
-    (run_id,) = {n.split("/")[0] for n in names}
-    for expected in (
-        "config.json",
-        "status.json",
-        "metrics.jsonl",
-        "checkpoints/LATEST",
-        "checkpoints/step-00000004/state.pt",
-        "checkpoints/step-00000004/meta.json",
-        "final/adapter/adapter_config.json",
-        "final/adapter/adapter_model.safetensors",
-    ):
-        assert f"{run_id}/{expected}" in names
-    assert not (tmp_path / "runs").exists()  # nothing went to the local disk
+    run_id = runs.only_run_in_bucket(
+        out,
+        tmp_path,
+        (
+            "config.json",
+            "status.json",
+            "metrics.jsonl",
+            "checkpoints/LATEST",
+            "checkpoints/step-00000004/state.pt",
+            "checkpoints/step-00000004/meta.json",
+            "final/adapter/adapter_config.json",
+            "final/adapter/adapter_model.safetensors",
+        ),
+    )
 
     # --resume takes the run's saved settings (model, data, sizes); only the step count changes.
     r = train(tmp_path, "--resume", run_id, "--output", out, "--max-steps", "6")

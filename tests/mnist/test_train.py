@@ -21,6 +21,7 @@ from runs import (
     latest_step,
     metrics,
     only_run,
+    only_run_in_bucket,
     peers,
     run_dir_of,
     wait_for,
@@ -236,20 +237,20 @@ def test_a_run_in_a_bucket_checkpoints_there_and_resumes_from_it(tmp_path, gcs_b
     r = dtrain(["train", "mnist", *SMALL, "--epochs", "1", "--nproc", "2", "--output", out], tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     root = open_store(out)
-    names = root.list("")
-    (run_id,) = {n.split("/")[0] for n in names}
-    for expected in (
-        "config.json",
-        "status.json",
-        "metrics.jsonl",
-        "checkpoints/LATEST",
-        "checkpoints/step-00000064/state.pt",
-        "checkpoints/step-00000064/meta.json",
-        "final/model.safetensors",
-        "final/model.json",
-    ):
-        assert f"{run_id}/{expected}" in names
-    assert not (tmp_path / "runs").exists()  # nothing went to the local disk
+    run_id = only_run_in_bucket(
+        out,
+        tmp_path,
+        (
+            "config.json",
+            "status.json",
+            "metrics.jsonl",
+            "checkpoints/LATEST",
+            "checkpoints/step-00000064/state.pt",
+            "checkpoints/step-00000064/meta.json",
+            "final/model.safetensors",
+            "final/model.json",
+        ),
+    )
 
     r = dtrain(["train", "mnist", "--resume", run_id, "--output", out, "--epochs", "2"], tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
