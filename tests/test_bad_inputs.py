@@ -196,3 +196,43 @@ def test_config_file_unknown_key(tmp_path, toml, message):
     assert r.error_line() == f"error: dtrain.toml: {message}"
     assert r.code == ExitCode.USAGE
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# naming runs, choosing where to run
+
+
+def test_run_id_that_is_not_a_folder_name(tmp_path):
+    r = dtrain(tmp_path, *TRAIN, "--run-id", "a/b")
+    assert r.error_line() == (
+        "error: invalid configuration: run.run_id (from --run-id): 'a/b' must be letters, digits, '.', '_' "
+        "or '-' (a folder name)"
+    )
+    assert r.code == ExitCode.USAGE and not (tmp_path / "runs").exists()
+
+
+def test_run_id_of_an_existing_run_is_not_reused(tmp_path, tiny_data):
+    existing = tmp_path / "runs" / "mine"
+    existing.mkdir(parents=True)
+    (existing / "config.json").write_text('{"workload": "mnist"}')
+    r = dtrain(tmp_path, *TRAIN, "--data-dir", str(tiny_data), "--run-id", "mine")
+    assert r.error_line() == (
+        f"error: run {existing} already exists: continue it with --resume mine, or pick another --run-id"
+    )
+    assert r.code == ExitCode.USAGE
+    assert (existing / "config.json").read_text() == '{"workload": "mnist"}'  # untouched
+
+
+def test_a_cluster_backend_this_version_cannot_launch(tmp_path):
+    (tmp_path / "dtrain.toml").write_text('[clusters.lab]\nbackend = "hosts"\n')
+    r = dtrain(tmp_path, *TRAIN, "--cluster", "lab")
+    assert r.error_line().startswith("error: cluster 'lab' uses the hosts backend, which this version of dtrain")
+    assert r.code == ExitCode.USAGE
+
+
+def test_batch_not_divisible_by_the_processes(tmp_path, tiny_data):
+    r = dtrain(
+        tmp_path, "train", "mnist", "--nproc", "2", "--epochs", "1", "--data-dir", str(tiny_data), "--batch-size", "63"
+    )
+    assert r.error_line() == "error: batch_size 63 must be divisible by the 2 processes"
+    assert r.code == ExitCode.USAGE

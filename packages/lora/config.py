@@ -38,7 +38,6 @@ class LoraConfig:
     eval_every: int = opt(0, "evaluate perplexity every N optimizer steps (0: only at the end)")
     eval_batches: int = opt(0, "cap on evaluation batches (0: the whole held-out split)")
     merge: bool = opt(False, "also write the base model with the adapter merged in, under final/merged")
-    tokenizer: str = opt("", "tokenizer id or directory (default: the model's; presets use bytes)")
 
     def __post_init__(self) -> None:
         if not self.model:

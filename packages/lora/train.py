@@ -143,7 +143,7 @@ def train(ctx: Context) -> dict[str, Any]:
     if vocab is not None and int(blocks.train.max()) >= vocab:
         raise UserError(
             f"the tokenizer produced id {int(blocks.train.max())} but {cfg.model!r} has {vocab} embeddings: "
-            "pass the model's own --tokenizer"
+            "the model directory's tokenizer does not belong to its model"
         )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total_params = sum(p.numel() for p in model.parameters())
