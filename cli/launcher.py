@@ -22,7 +22,7 @@ from typing import Any
 
 from dtrain.cli import console
 from dtrain.common.errors import ExitCode, UserError
-from dtrain.common.rundir import locate, new_run_id, read_json, write_json
+from dtrain.common.rundir import new_run_id, read_json, write_json
 from dtrain.common.storage import Store, open_store
 
 SHUTDOWN_GRACE_S = 45.0  # torchrun gives workers 30 s after SIGTERM; GCP gives ~30 s before stop
@@ -65,12 +65,19 @@ def auto_nproc(gpus: int, cpus: int) -> int:
 
 
 def plan_local(
-    workload: str, workload_args: dict[str, Any], *, nproc: int, max_restarts: int, output: str, resume: str
+    workload: str,
+    workload_args: dict[str, Any],
+    *,
+    nproc: int,
+    max_restarts: int,
+    output: str,
+    resumed: Store | None,
 ) -> LocalPlan:
+    """`resumed`: the run directory being continued (already located), or None for a new run."""
     from dtrain.common.config import to_argv
 
-    if resume:
-        run = locate(output, resume)
+    if resumed is not None:
+        run = resumed
         run_id = run.url.rstrip("/").rsplit("/", 1)[-1]
         args = {**workload_args, "output": output, "resume": run.url}
     else:
@@ -105,7 +112,7 @@ def plan_local(
     env["DTRAIN_INTERNAL_TTY"] = "1" if sys.stdout.isatty() else "0"
     if console.state.debug:
         env["DTRAIN_DEBUG"] = "1"
-    return LocalPlan(run_id, run, n, threads, command, env, resuming=bool(resume))
+    return LocalPlan(run_id, run, n, threads, command, env, resuming=resumed is not None)
 
 
 def run_local(plan: LocalPlan) -> int:

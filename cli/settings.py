@@ -36,7 +36,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - 3.10
     import tomli as tomllib
 
-from dtrain.common.config import RunConfig, build, coerce, field_type, flag, opt, scalar_fields
+from dtrain.common.config import PLACEMENT_KEYS, RunConfig, build, coerce, field_type, flag, opt, scalar_fields
 from dtrain.common.env import NON_SETTING_ENV
 from dtrain.common.errors import UserError
 
@@ -384,15 +384,11 @@ def _apply_env(env: Mapping[str, str], keys: dict[str, _Key], values: dict[str, 
         values[k.key] = _Value(_coerce(k, env[var], var, from_text=True), var)
 
 
-# Where a run lives, not how it trains: never taken from a saved run.
-PLACEMENT = frozenset({"output", "run_id", "resume"})
-
-
 def _apply_saved(
     label: str, workload: str, flat: Mapping[str, Any], keys: dict[str, _Key], values: dict[str, _Value]
 ) -> None:
     for name, raw in flat.items():
-        if name in PLACEMENT:
+        if name in PLACEMENT_KEYS:
             continue
         k = keys.get(f"{workload}.{name}") or keys.get(f"run.{name}")
         if k is None:

@@ -180,14 +180,15 @@ def launch(workload: str, flags: dict[str, Any]) -> int:
     from dtrain.common.rundir import locate, read_json
 
     settings = load_settings(console.state.config_path, flags)
+    resumed = None
     if settings.run.resume:
         # The run's own config sits beneath the file, environment and flags.
-        run = locate(settings.run.output, settings.run.resume)
-        saved = read_json(run, "config.json") or {}
+        resumed = locate(settings.run.output, settings.run.resume)
+        saved = read_json(resumed, "config.json") or {}
         if saved.get("workload", workload) != workload:
-            raise UserError(f"run {run.url} is a {saved['workload']} run: use `dtrain train {saved['workload']}`")
+            raise UserError(f"run {resumed.url} is a {saved['workload']} run: use `dtrain train {saved['workload']}`")
         flat = saved.get("config") or {}
-        settings = load_settings(console.state.config_path, flags, saved=(f"{run.url}/config.json", workload, flat))
+        settings = load_settings(console.state.config_path, flags, saved=(f"{resumed.url}/config.json", workload, flat))
     settings.workload(workload)  # validate the whole workload config before starting anything
     cluster = get_cluster(settings)
     if cluster.backend != ClusterBackend.LOCAL:
@@ -201,7 +202,7 @@ def launch(workload: str, flags: dict[str, Any]) -> int:
         nproc=settings.launch.nproc,
         max_restarts=settings.launch.max_restarts,
         output=settings.run.output,
-        resume=settings.run.resume,
+        resumed=resumed,
     )
     verb = "resuming" if plan.resuming else "starting"
     console.out.print(

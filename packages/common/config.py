@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
-import json
 import re
 import typing
 from collections.abc import Mapping, Sequence
@@ -40,6 +39,11 @@ def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argp
     if isinstance(default, list):  # mutable: each instance gets its own copy
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+# RunConfig keys that say where a run lives rather than how it trains: a resumed run never inherits
+# them from its saved config.
+PLACEMENT_KEYS = frozenset({"output", "run_id", "resume"})
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -259,7 +263,3 @@ def _text_parser(key: str, tp: Any):
 def parse_explicit(cls: type, argv: Sequence[str] | None, prog: str, description: str) -> dict[str, Any]:
     """Flags given on the command line, as flat key -> typed value."""
     return vars(make_parser(cls, prog, description).parse_args(argv))
-
-
-def dumps(cfg: Any) -> str:
-    return json.dumps(flatten(cfg), indent=2, sort_keys=True)

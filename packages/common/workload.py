@@ -31,9 +31,6 @@ from dtrain.common.storage import Store, is_remote, open_store
 
 C = TypeVar("C")
 
-# Keys that say where a run lives rather than how it trains: never inherited on resume.
-PLACEMENT_KEYS = ("output", "run_id", "resume")
-
 
 @dataclasses.dataclass
 class Context:
@@ -70,7 +67,7 @@ def resolve_config(workload: str, cls: type[C], argv: Sequence[str] | None) -> t
     saved = read_json(run, "config.json") or {}
     if saved.get("workload", workload) != workload:
         raise UserError(f"run {run.url} is a {saved['workload']} run, not {workload}")
-    base = {k: v for k, v in (saved.get("config") or {}).items() if k not in PLACEMENT_KEYS}
+    base = {k: v for k, v in (saved.get("config") or {}).items() if k not in cfgmod.PLACEMENT_KEYS}
     return cfgmod.build(cls, {**base, **explicit}), run
 
 

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtrain.common.config import Precision
 from dtrain.common.errors import Preempted, UserError
+from dtrain.common.sampling import epoch_order, rank_batch
 from dtrain.common.workload import Context, run_workload
 from dtrain.lora.config import LoraConfig
 from dtrain.lora.data import Blocks, load_blocks, read_documents
@@ -42,10 +43,6 @@ def lr_lambda(total: int, warmup: int):
         return MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
-
-
-def permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -199,7 +196,6 @@ def train(ctx: Context) -> dict[str, Any]:
         metrics.update(evaluate(ctx, ddp, blocks.eval, micro, cfg.eval_batches))
         report.log(0, **{k: metrics[k] for k in ("eval_loss", "eval_perplexity")})
         report.info(f"step 0: eval loss {metrics['eval_loss']:.4f}, perplexity {metrics['eval_perplexity']:.3f}")
-    per_rank = micro * cfg.grad_accum
     report.start_progress(total, step, "train")
     window = torch.zeros((), device=d.device)
     window_steps, window_start = 0, time.perf_counter()
@@ -208,8 +204,8 @@ def train(ctx: Context) -> dict[str, Any]:
     while step < total:
         epoch, in_epoch = divmod(step, steps_per_epoch)
         if epoch != perm_epoch:
-            perm, perm_epoch = permutation(blocks.train.shape[0], cfg.run.seed, epoch), epoch
-        mine = perm[in_epoch * cfg.batch_size + d.rank * per_rank :][:per_rank]
+            perm, perm_epoch = epoch_order(blocks.train.shape[0], cfg.run.seed, epoch), epoch
+        mine = rank_batch(perm, in_epoch, cfg.batch_size, d.rank, d.world_size)
         batch = blocks.train[mine].to(d.device, non_blocking=True)
         loss, norm = train_step(ctx, model, ddp, opt, sched, scaler, list(batch.split(micro)), cfg.max_grad_norm)
         step += 1

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtrain.common.errors import Preempted, UserError
+from dtrain.common.sampling import epoch_order, rank_batch
 from dtrain.common.workload import Context, run_workload
 from dtrain.mnist.config import MnistConfig
 from dtrain.mnist.data import MEAN_STD, Split, load_split
@@ -38,11 +39,6 @@ def lr_lambda(total: int):
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
     return f
-
-
-def permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed * 7919 + epoch)
-    return torch.randperm(n, generator=g)
 
 
 def shift_batch(x: torch.Tensor, seed: int) -> torch.Tensor:
@@ -125,7 +121,6 @@ def train(ctx: Context) -> dict[str, Any]:
             f"({cfg.batch_size}): lower --batch-size"
         )
     total = cfg.epochs * steps_per_epoch
-    per_rank = cfg.batch_size // d.world_size
 
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     net = MnistNet(cfg.width).to(d.device, memory_format=torch.channels_last)
@@ -171,8 +166,8 @@ def train(ctx: Context) -> dict[str, Any]:
     while step < total:
         epoch, in_epoch = divmod(step, steps_per_epoch)
         if in_epoch == 0 or step == (state or {}).get("step"):
-            perm = permutation(len(train_data.labels), cfg.run.seed, epoch).to(d.device)
-        idx = perm[in_epoch * cfg.batch_size + d.rank * per_rank :][:per_rank]
+            perm = epoch_order(len(train_data.labels), cfg.run.seed, epoch).to(d.device)
+        idx = rank_batch(perm, in_epoch, cfg.batch_size, d.rank, d.world_size)
         x = train_data.images[idx]
         if cfg.augment:
             x = shift_batch(x, seed=(cfg.run.seed * 1_000_003 + step) * 64 + d.rank)
