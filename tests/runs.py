@@ -83,6 +83,10 @@ def run_dir_of(cwd: Path, proc: subprocess.Popen) -> Path:
     return wait_for(lambda: runs.exists() and any(runs.iterdir()) and only_run(runs), proc, what="the run directory")
 
 
+# What every run directory holds, whatever the workload.
+RUN_FILES = ("config.json", "status.json", "metrics.jsonl", "checkpoints/LATEST")
+
+
 def only_run_in_bucket(out: str, cwd: Path, expected: tuple[str, ...]) -> str:
     """The id of the one run under the gs:// prefix `out`, after checking it holds `expected` and that
     nothing went to the local disk."""
@@ -132,3 +136,20 @@ def cli(cwd: Path, *args: str, env: dict[str, str] | None = None) -> Result:
         check=False,
     )
     return Result(p.returncode, p.stdout, p.stderr)
+
+
+def snapshot(root: Path, prefix: str = "") -> dict[str, bytes]:
+    """Every file under `root` (path relative to it, after `prefix`) and its bytes."""
+    return {prefix + p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@dataclasses.dataclass
+class RefusedResume:
+    """A completed run, a resume of it that must be refused, and the run's files before and after."""
+
+    run_dir: Path
+    first: Result
+    resumed: Result
+    files_before: dict[str, bytes]
+    files_after: dict[str, bytes]
+    runs_json: list[dict]

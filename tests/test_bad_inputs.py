@@ -9,14 +9,13 @@ lets those two variables through to the workload, which reads them (they are not
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 from helpers import IMAGE_STEMS, write_dataset
-from runs import Result, cli, isolated_env
+from runs import RefusedResume, cli, isolated_env, snapshot
 
 from dtrain.common.errors import ExitCode
 from dtrain.mnist import data as mnist_data
@@ -99,20 +98,6 @@ def test_resume_unknown_run(tmp_path):
 # a checkpoint from a different model config
 
 
-@dataclasses.dataclass
-class RefusedResume:
-    run_dir: Path
-    first: Result
-    resumed: Result
-    files_before: dict[str, bytes]
-    files_after: dict[str, bytes]
-    runs_json: list[dict]
-
-
-def _snapshot(root: Path, prefix: str = "") -> dict[str, bytes]:
-    return {prefix + p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 @pytest.fixture(scope="module")
 def refused_resume(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path) -> RefusedResume:
     """A completed 1-epoch run (width 16, the default), then a resume of it with width 32."""
@@ -121,9 +106,9 @@ def refused_resume(tmp_path_factory: pytest.TempPathFactory, tiny_data: Path) ->
     first = dtrain(cwd, *args)
     assert first.code == ExitCode.OK, first.out + first.err
     (run_dir,) = (cwd / "runs").iterdir()
-    before = _snapshot(run_dir / "checkpoints") | _snapshot(run_dir / "final", "final/")
+    before = snapshot(run_dir / "checkpoints") | snapshot(run_dir / "final", "final/")
     resumed = dtrain(cwd, *args, "--resume", run_dir.name, env=isolated_env(cwd, DTRAIN_MNIST_WIDTH="32"))
-    after = _snapshot(run_dir / "checkpoints") | _snapshot(run_dir / "final", "final/")
+    after = snapshot(run_dir / "checkpoints") | snapshot(run_dir / "final", "final/")
     runs = dtrain(cwd, "runs", "--json")
     assert runs.code == 0, runs.err
     return RefusedResume(run_dir, first, resumed, before, after, json.loads(runs.out))

@@ -8,12 +8,11 @@ the test's directory, so no test reads the user's models or data or reaches the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import pytest
-from runs import Result, cli
+from runs import RefusedResume, Result, cli, snapshot
 
 from dtrain.common.errors import ExitCode
 from dtrain.lora.model import PRESETS
@@ -35,10 +34,6 @@ def assert_refused(r: Result, cwd: Path) -> str:
     runs = cwd / "runs"
     assert not runs.exists() or not list(runs.iterdir())
     return line
-
-
-def _snapshot(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,16 +107,6 @@ def test_jsonl_without_the_text_field(tmp_path, jsonl):
 # a checkpoint from a different model config; the first run also shows --text-field at work
 
 
-@dataclasses.dataclass
-class RefusedResume:
-    run_dir: Path
-    first: Result
-    resumed: Result
-    files_before: dict[str, bytes]
-    files_after: dict[str, bytes]
-    runs_json: list[dict]
-
-
 @pytest.fixture(scope="module")
 def refused_resume(tmp_path_factory: pytest.TempPathFactory, jsonl: Path) -> RefusedResume:
     """A completed 2-step run on the JSONL with --text-field content and --lora-r 8, then a resume of
@@ -130,9 +115,9 @@ def refused_resume(tmp_path_factory: pytest.TempPathFactory, jsonl: Path) -> Ref
     first = train(cwd, "--model", "tiny-llama", "--data", str(jsonl), "--text-field", "content", "--lora-r", "8")
     assert first.code == ExitCode.OK, first.out + first.err
     (run_dir,) = (cwd / "runs").iterdir()
-    before = _snapshot(run_dir)
+    before = snapshot(run_dir)
     resumed = dtrain(cwd, "train", "lora", "--resume", run_dir.name, "--lora-r", "4", "--output", "runs")
-    after = _snapshot(run_dir)
+    after = snapshot(run_dir)
     runs = dtrain(cwd, "runs", "--json", "--output", "runs")
     assert runs.code == 0, runs.err
     return RefusedResume(run_dir, first, resumed, before, after, json.loads(runs.out))

@@ -133,10 +133,7 @@ def test_a_run_in_a_bucket_exports_there_and_resumes_from_it(tmp_path, gcs_bucke
         out,
         tmp_path,
         (
-            "config.json",
-            "status.json",
-            "metrics.jsonl",
-            "checkpoints/LATEST",
+            *runs.RUN_FILES,
             "checkpoints/step-00000004/state.pt",
             "checkpoints/step-00000004/meta.json",
             "final/adapter/adapter_config.json",

@@ -16,6 +16,7 @@ import pytest
 import runs
 import torch
 from runs import (
+    RUN_FILES,
     assert_no_workers_left,
     env,
     latest_step,
@@ -241,10 +242,7 @@ def test_a_run_in_a_bucket_checkpoints_there_and_resumes_from_it(tmp_path, gcs_b
         out,
         tmp_path,
         (
-            "config.json",
-            "status.json",
-            "metrics.jsonl",
-            "checkpoints/LATEST",
+            *RUN_FILES,
             "checkpoints/step-00000064/state.pt",
             "checkpoints/step-00000064/meta.json",
             "final/model.safetensors",
