@@ -2,9 +2,19 @@
 
 peft computes `base(x) + lora_B(lora_A(dropout(x))) * scaling` as separate ops: two extra full-size
 elementwise passes forward (scale, add) and more backward (scale, the sum of the two input
-gradients). Here the low-rank term is added into the base output with one `addmm_`, and the
-backward accumulates into one buffer the same way. The parameters, their names and the saved
-adapter are peft's own; only the arithmetic is regrouped (same values up to float rounding).
+gradients), and its rank-r products are skinny matrix multiplies that run far below the machine's
+matmul rate (on 2 CPU cores, x @ A^T for 2048 tokens x 256 features x rank 8 ran at about
+25 GFLOP/s against 150 for the base layer). Here:
+
+- forward: A's r rows are appended to the frozen weight, so `x @ [W; A]^T` gives the base output
+  and `u = x A^T` from one full-size GEMM; the low-rank term is then added in place with `addmm_`;
+- backward: the rank-r products are taken in the orientation that keeps the long token dimension
+  as the reduction or the wide side (`(B^T gy^T)` and `(u^T gy)^T` rather than `gy B` and
+  `gy^T u`), and the input gradient accumulates into one buffer.
+
+Measured on the tiny-llama preset (2 threads, seq 256, batch 8), this took the rank-r products from
+about 63 to 31 ms per step. The parameters, their names and the saved adapter are peft's own; only
+the arithmetic is regrouped (same values up to float rounding).
 
 Used only for an unmerged, single active adapter without dropout or DoRA on an nn.Linear, in fp32
 (no autocast); any other case falls back to peft's own forward.
@@ -30,24 +40,27 @@ class LoraLinearFn(torch.autograd.Function):
         scaling: float,
     ) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        u = x2 @ a.t()  # N x r
-        y = torch.addmm(bias, x2, weight.t()) if bias is not None else x2 @ weight.t()
+        n = weight.shape[0]
+        out = x2 @ torch.cat([weight, a]).t()  # [y | u]: base output and x A^T from one GEMM
+        y, u = out[:, :n], out[:, n:].contiguous()
+        if bias is not None:
+            y.add_(bias)
         y.addmm_(u, b.t(), alpha=scaling)
         ctx.save_for_backward(x2, u, weight, a, b)
         ctx.scaling, ctx.in_shape = scaling, x.shape
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y.view(*x.shape[:-1], n)
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2, u, weight, a, b = ctx.saved_tensors
         gy2 = gy.reshape(-1, gy.shape[-1])
-        gu = (gy2 @ b).mul_(ctx.scaling)  # N x r
-        ga = gu.t() @ x2
-        gb = (gy2.t() @ u).mul_(ctx.scaling)
+        gut = torch.mm(b.t(), gy2.t()).mul_(ctx.scaling)  # r x tokens: (gy B)^T, scaled
+        ga = gut @ x2
+        gb = torch.mm(u.t(), gy2).t().mul_(ctx.scaling)
         gx = None
         if ctx.needs_input_grad[0]:
             gx = gy2 @ weight
-            gx.addmm_(gu, a)
+            gx.addmm_(gut.t(), a)
             gx = gx.view(ctx.in_shape)
         return gx, None, None, ga, gb, None
 
