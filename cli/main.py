@@ -43,11 +43,16 @@ def _global(
 
 def _register() -> None:
     # Imported here, not at module top, only to keep the list of groups in one place.
-    from dtrain.cli import config_cmd, runs_cmd, train_cmd
+    from dtrain.cli import cluster_cmd, config_cmd, runs_cmd, train_cmd
 
     app.add_typer(config_cmd.app, name="config")
     app.add_typer(train_cmd.app, name="train")
     app.command("runs")(runs_cmd.runs)
+    app.command("logs")(cluster_cmd.logs)
+    app.command("doctor")(cluster_cmd.doctor)
+    app.command("gpus")(cluster_cmd.gpus)
+    app.command("exec")(cluster_cmd.exec_)
+    app.command("ssh")(cluster_cmd.ssh_)
 
 
 _register()

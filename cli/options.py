@@ -71,3 +71,12 @@ def common_flags(
         "run.checkpoint_every": checkpoint_every,
         "run.max_restarts": max_restarts,
     }
+
+
+AcceptNewHostKeys = Annotated[
+    bool,
+    typer.Option(
+        "--accept-new-host-keys",
+        help="trust SSH host keys of nodes seen for the first time (a changed key is still refused)",
+    ),
+]

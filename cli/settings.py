@@ -87,6 +87,10 @@ class ClusterConfig:
     backend: ClusterBackend = dataclasses.field(
         metadata={"help": "how the node list is made: local (this machine), hosts (an inventory), gcp"}
     )
+    # The backend's own keys (nodes, user, key, ...), checked by cli/cluster.py when the cluster is used.
+    name: str = dataclasses.field(default="", metadata={"internal": True})
+    spec: dict = dataclasses.field(default_factory=dict, metadata={"internal": True})
+    source: str = dataclasses.field(default="", metadata={"internal": True})
 
     def __post_init__(self) -> None:
         self.backend = ClusterBackend(self.backend)
@@ -338,7 +342,7 @@ def _clusters(src: str, table: Any, keys: dict[str, _Key], values: dict[str, _Va
     if not isinstance(table, dict):
         raise UserError(f"{src}: clusters must be tables [clusters.NAME], got {_kind(table)}")
     out = {}
-    fields = scalar_fields(ClusterConfig)
+    fields = [t for t in scalar_fields(ClusterConfig) if not t[1].metadata.get("internal")]
     for cname, ctable in table.items():
         section = f"clusters.{cname}"
         if not isinstance(ctable, dict):
@@ -348,6 +352,13 @@ def _clusters(src: str, table: Any, keys: dict[str, _Key], values: dict[str, _Va
             keys[k.key] = k
             values[k.key] = _unset(k)
         known = [k.name for k in ckeys]
+        backend = ctable.get("backend")
+        rest = {n: v for n, v in ctable.items() if n not in known}
+        if backend == ClusterBackend.HOSTS.value:
+            from dtrain.cli.cluster import HOSTS_KEYS, check_keys
+
+            check_keys(rest, HOSTS_KEYS, f"{src} [{section}]")
+            ctable = {n: v for n, v in ctable.items() if n in known}
         for name, raw in ctable.items():
             key = f"{section}.{name}"
             if key not in keys:
@@ -358,7 +369,9 @@ def _clusters(src: str, table: Any, keys: dict[str, _Key], values: dict[str, _Va
         for k in ckeys:
             if values[k.key].source == REQUIRED:
                 raise UserError(f"{src}: {k.key} is required ({_expected(k)})")
-        out[cname] = _build(ClusterConfig, ckeys, values)
+        out[cname] = dataclasses.replace(
+            _build(ClusterConfig, ckeys, values), name=cname, spec=rest if backend == "hosts" else {}, source=src
+        )
     return out
 
 

@@ -46,6 +46,7 @@ def mnist(
     seed: o.Seed = None,
     checkpoint_every: o.CheckpointEvery = None,
     max_restarts: o.MaxRestarts = None,
+    accept_new_host_keys: o.AcceptNewHostKeys = False,
 ) -> None:
     """Train a CNN on MNIST or Fashion-MNIST (IDX files), with DDP and resumable checkpoints."""
     flags = {
@@ -71,7 +72,7 @@ def mnist(
             max_restarts=max_restarts,
         ),
     }
-    console.state.exit_code = launch("mnist", flags)
+    console.state.exit_code = launch("mnist", flags, accept_new_host_keys=accept_new_host_keys)
 
 
 @app.command("lora")
@@ -139,6 +140,7 @@ def lora(
     seed: o.Seed = None,
     checkpoint_every: o.CheckpointEvery = None,
     max_restarts: o.MaxRestarts = None,
+    accept_new_host_keys: o.AcceptNewHostKeys = False,
 ) -> None:
     """LoRA fine-tuning of a causal LM (transformers + peft); the adapter lands in final/adapter."""
     flags = {
@@ -170,10 +172,10 @@ def lora(
             max_restarts=max_restarts,
         ),
     }
-    console.state.exit_code = launch("lora", flags)
+    console.state.exit_code = launch("lora", flags, accept_new_host_keys=accept_new_host_keys)
 
 
-def launch(workload: str, flags: dict[str, Any]) -> int:
+def launch(workload: str, flags: dict[str, Any], *, accept_new_host_keys: bool = False) -> int:
     """Resolve the settings and run `workload` where they say; returns the job's exit code."""
     from dtrain.cli.launcher import plan_local, run_local
     from dtrain.cli.settings import ClusterBackend, get_cluster, load_settings
@@ -190,12 +192,23 @@ def launch(workload: str, flags: dict[str, Any]) -> int:
         flat = saved.get("config") or {}
         settings = load_settings(console.state.config_path, flags, saved=(f"{resumed.url}/config.json", workload, flat))
     settings.workload(workload)  # validate the whole workload config before starting anything
-    cluster = get_cluster(settings)
-    if cluster.backend != ClusterBackend.LOCAL:
-        raise UserError(
-            f"cluster {settings.launch.cluster!r} uses the {cluster.backend.value} backend, which "
-            "this version of dtrain cannot launch yet: drop --cluster to train on this machine"
+    cluster_cfg = get_cluster(settings)
+    if cluster_cfg.backend != ClusterBackend.LOCAL:
+        from dtrain.cli.cluster import resolve
+        from dtrain.cli.remote import launch_cluster
+
+        code, run, run_id = launch_cluster(
+            workload,
+            settings.explicit(workload),
+            cluster=resolve(cluster_cfg),
+            nproc=settings.launch.nproc,
+            max_restarts=settings.launch.max_restarts,
+            output=settings.run.output,
+            resumed=resumed,
+            accept_new_host_keys=accept_new_host_keys,
         )
+        _report(workload, run.url, run_id, code)
+        return code
     plan = plan_local(
         workload,
         settings.explicit(workload),

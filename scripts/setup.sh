@@ -13,7 +13,11 @@ cd "$(dirname "$0")/.."
 
 TORCH_SPEC="${DTRAIN_TORCH:-torch==2.13.0}"
 PYTHON="${PYTHON:-python3}"
-APT_PACKAGES=(dataset-fashion-mnist)  # Fashion-MNIST as IDX files, for training offline and the tests
+APT_PACKAGES=(
+  dataset-fashion-mnist  # Fashion-MNIST as IDX files, for training offline and the tests
+  # the multi-host test bed (scripts/testbed.py, tests/cluster): netns, bridge, sshd per host
+  openssh-server openssh-client iproute2 iptables procps
+)
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   missing=()

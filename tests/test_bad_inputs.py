@@ -209,9 +209,9 @@ def test_run_id_of_an_existing_run_is_not_reused(tmp_path, tiny_data):
 
 
 def test_a_cluster_backend_this_version_cannot_launch(tmp_path):
-    (tmp_path / "dtrain.toml").write_text('[clusters.lab]\nbackend = "hosts"\n')
+    (tmp_path / "dtrain.toml").write_text('[clusters.lab]\nbackend = "gcp"\n')
     r = dtrain(tmp_path, *TRAIN, "--cluster", "lab")
-    assert r.error_line().startswith("error: cluster 'lab' uses the hosts backend, which this version of dtrain")
+    assert r.error_line().startswith("error: cluster 'lab' uses the gcp backend, which this version of dtrain")
     assert r.code == ExitCode.USAGE
 
 

@@ -156,7 +156,8 @@ class Dist:
 
     @staticmethod
     def _addr_in(text: str) -> str | None:
-        m = re.search(r"peer \[?([\w.:-]+?)\]?:\d+", text)
+        # gloo says "... closed by peer [ADDR]:PORT" or "Read error [ADDR]:PORT: Connection reset by peer".
+        m = re.search(r"(?:peer \[?|\[)([\w.:-]+?)\]?:\d+", text)
         return m.group(1) if m else None
 
 

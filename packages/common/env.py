@@ -92,3 +92,9 @@ def fault_pause_before_commit() -> float:
     """Fault injection for tests: seconds the checkpoint writer sleeps after writing a checkpoint's
     files and before its manifest, so a test can kill the process mid-save. 0 in normal use."""
     return float(os.environ.get("DTRAIN_INTERNAL_FAULT_PAUSE_BEFORE_COMMIT", "0") or 0)
+
+
+def progress_events() -> bool:
+    """DTRAIN_INTERNAL_PROGRESS=1: rank 0 prints its progress as machine-readable lines (the SSH
+    launcher reads them and draws the bar on the user's terminal)."""
+    return os.environ.get("DTRAIN_INTERNAL_PROGRESS") == "1"

@@ -13,6 +13,9 @@ from typing import Any
 from dtrain.common import env as envmod
 from dtrain.common.storage import Store
 
+PROGRESS_PREFIX = "\x1edtrain-progress "  # read by the SSH launcher (cli/remote.py)
+PROGRESS_EVERY_S = 0.5
+
 
 class Reporter:
     def __init__(
@@ -25,6 +28,8 @@ class Reporter:
         self._progress = None
         self._task = None
         self._t0 = time.monotonic()
+        self._events: dict[str, Any] | None = None
+        self._last_event = 0.0
         if not enabled:
             return
         from rich.console import Console
@@ -53,6 +58,10 @@ class Reporter:
                 self.console.print(message, highlight=False)
 
     def start_progress(self, total: int, completed: int, description: str) -> None:
+        if self.enabled and envmod.progress_events():
+            self._events = {"total": total, "completed": completed, "description": description, "status": ""}
+            self._emit(force=True)
+            return
         if not self.enabled or not self.console.is_terminal:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -72,6 +81,16 @@ class Reporter:
     def advance(self, step: int, status: str = "") -> None:
         if self._progress is not None:
             self._progress.update(self._task, completed=step, status=status)
+        if self._events is not None:
+            self._events.update(completed=step, status=status)
+            self._emit(force=step >= self._events["total"])
+
+    def _emit(self, force: bool = False) -> None:
+        """One progress line for the launcher, at most every PROGRESS_EVERY_S."""
+        now = time.monotonic()
+        if force or now - self._last_event >= PROGRESS_EVERY_S:
+            self._last_event = now
+            print(PROGRESS_PREFIX + json.dumps(self._events), flush=True)
 
     def log(self, step: int, **values: Any) -> None:
         """One metrics line (rank 0). Lines are kept in memory and flushed by `flush()`."""

@@ -91,8 +91,8 @@ def _run(workload: str, cls: type, train: Callable[[Context], dict[str, Any]], a
     ctx: Context | None = None
     try:
         with distributed(cfg.run.backend, cfg.run.dist_timeout) as d:
-            run, run_id = _open_run(workload, cfg, d, resumed_run)
-            ctx = _context(workload, cfg, d, run, run_id, resuming=resumed_run is not None)
+            run, run_id, resuming = _open_run(workload, cfg, d, resumed_run)
+            ctx = _context(workload, cfg, d, run, run_id, resuming=resuming)
             try:
                 with ctx.preempt:
                     result = train(ctx)
@@ -129,7 +129,10 @@ def _run(workload: str, cls: type, train: Callable[[Context], dict[str, Any]], a
         return ExitCode.FAILURE
 
 
-def _open_run(workload: str, cfg: Any, d: Dist, resumed: Store | None) -> tuple[Store, str]:
+def _open_run(workload: str, cfg: Any, d: Dist, resumed: Store | None) -> tuple[Store, str, bool]:
+    """The run directory, its id, and whether this continues it. Workers that torchrun restarted
+    after a failure (--max-restarts) continue the run they were started for, from its last
+    complete checkpoint, as if resumed."""
     if resumed is not None:
         run = resumed
         run_id = run.url.rstrip("/").rsplit("/", 1)[-1]
@@ -137,6 +140,8 @@ def _open_run(workload: str, cfg: Any, d: Dist, resumed: Store | None) -> tuple[
         run_id = cfg.run.run_id or (d.env.run_id if RUN_ID_RE.match(d.env.run_id) else "")
         run_id = run_id or d.broadcast(new_run_id(workload))
         run = open_store(f"{cfg.run.output.rstrip('/')}/{run_id}")
+        if d.env.restart_count > 0 and d.broadcast(run.exists("config.json") if d.is_main else None):
+            resumed = run
 
     def prepare() -> None:
         run.check_writable()
@@ -178,7 +183,7 @@ def _open_run(workload: str, cfg: Any, d: Dist, resumed: Store | None) -> tuple[
         )
 
     _on_main_then_share(d, prepare)
-    return run, run_id
+    return run, run_id, resumed is not None
 
 
 def _on_main_then_share(d: Dist, fn: Callable[[], None]) -> None:

@@ -1,0 +1,555 @@
+"""Launch a workload across a cluster's nodes over SSH: torchrun on every node, one job.
+
+The steps, each failing with a one-line error that names the node:
+1. connect to every node at once (cli/ssh.py; host keys checked against dtrain's known_hosts);
+2. sync dtrain's workload code to a per-run directory on each node, `<workdir>/runs/<run id>/code`
+   (synced mode: the node's `python` must have torch and the workload's libraries). A container
+   mode would replace this step and the interpreter with `docker run <image>`; the rest is the same;
+3. ask each node for its Python, torch, CPUs and GPUs (nodeagent info); refuse mismatched versions;
+4. check every worker can open a TCP connection to the master's rendezvous port;
+5. start `nodeagent run` on every node, which runs torchrun with a c10d rendezvous on the master
+   (`--rdzv-conf is_host=1` there), `--local-addr` set to the node's cluster address and the run id
+   as the rendezvous id; the job's environment travels over SSH's stdin, never on a command line;
+6. stream every node's output, prefixed with its name, to the console and to `logs/<node>.log`
+   under the run; draw rank 0's progress bar here;
+7. Ctrl-C: INT to every node's job, KILL 5 s later; a second Ctrl-C kills at once. A node whose job
+   fails (or whose SSH connection dies) fails the job: the others get KILL after a short grace, so
+   nothing hangs. Torchrun's own restarts (--max-restarts) recover from a crash first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import tarfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from dtrain.cli import console
+from dtrain.cli.cluster import Cluster, Node
+from dtrain.cli.ssh import SSH, NodeError, explain
+from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.rundir import new_run_id
+from dtrain.common.storage import Store, is_remote, open_store
+
+AGENT = "dtrain.common.nodeagent"
+CONTROL_PREFIX = "\x1edtrain-agent "
+PROGRESS_PREFIX = "\x1edtrain-progress "
+INT_GRACE_S = 5.0  # Ctrl-C: the job's processes get this long to exit before they are killed
+FAIL_FAST_GRACE_S = 15.0  # a node failed: the others get this long to notice before they are killed
+SHUTDOWN_GRACE_S = 45.0  # SIGTERM: workers checkpoint and exit PREEMPTED
+PORT_CHECK_TIMEOUT_S = 5.0
+# Passed to the job on every node when set here (over stdin, never on a command line or in a log).
+FORWARD_ENV = ("STORAGE_EMULATOR_HOST", "HF_TOKEN", "HF_HUB_OFFLINE", "DTRAIN_OFFLINE", "HF_ENDPOINT")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeInfo:
+    python: str
+    torch: str | None
+    cpus: int
+    gpus: int
+    disk_free_bytes: int
+    raw: dict[str, Any]
+
+    @classmethod
+    def parse(cls, node: Node, text: str) -> NodeInfo:
+        try:
+            d = json.loads(text.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise NodeError(node, f"nodeagent info printed no JSON: {text.strip()[:200]!r}") from None
+        return cls(d["python"], d.get("torch"), int(d["cpus"]), len(d.get("gpus") or []), d["disk_free_bytes"], d)
+
+
+def workload_packages() -> list[str]:
+    from dtrain.cli.settings import WORKLOADS
+
+    return ["common", *WORKLOADS]
+
+
+def code_archive() -> tuple[bytes, str]:
+    """dtrain's workload-side packages (dtrain/common, dtrain/mnist, ...) as a gzip'd tar, and its
+    digest. The CLI stays behind: nodes run only the workloads and the agent."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+        for name in workload_packages():
+            spec = importlib.util.find_spec(f"dtrain.{name}")
+            assert spec is not None and spec.submodule_search_locations, name
+            root = Path(list(spec.submodule_search_locations)[0])
+            for f in sorted(root.rglob("*")):
+                if "__pycache__" in f.parts or f.suffix == ".pyc" or not f.is_file():
+                    continue
+                ti = tarfile.TarInfo(f"dtrain/{name}/{f.relative_to(root).as_posix()}")
+                data = f.read_bytes()
+                ti.size, ti.mtime, ti.mode = len(data), 0, 0o644
+                tar.addfile(ti, io.BytesIO(data))
+    data = buf.getvalue()
+    return data, hashlib.sha256(data).hexdigest()[:12]
+
+
+def run_dir(node: Node, run_id: str) -> str:
+    return f"{node.workdir.rstrip('/')}/runs/{run_id}"
+
+
+def agent_command(node: Node, run_id: str, *args: str) -> str:
+    """The shell line that runs the agent from the run's synced code on `node`."""
+    return (
+        f'cd {shlex.quote(run_dir(node, run_id))} && PYTHONPATH="$PWD/code" '
+        f"exec {shlex.quote(node.python)} -m {AGENT} {shlex.join(args)}"
+    )
+
+
+def sync_code(ssh: SSH, run_id: str, archive: bytes) -> None:
+    def one(node: Node) -> None:
+        d = shlex.quote(f"{run_dir(node, run_id)}/code")
+        ssh.run(node, f"mkdir -p {d} && tar -xzf - -C {d}", input=archive, timeout=120)
+
+    ssh.each(one)
+
+
+def node_infos(ssh: SSH, run_id: str) -> dict[str, NodeInfo]:
+    def one(node: Node) -> NodeInfo:
+        p = ssh.run(node, agent_command(node, run_id, "info", "--workdir", "../.."), timeout=120, check=False)
+        if p.returncode != 0:
+            err = p.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {p.returncode}"]
+            raise NodeError(node, f"cannot run {node.python} there ({err[0]}): set python = ... for it")
+        return NodeInfo.parse(node, p.stdout.decode(errors="replace"))
+
+    infos = ssh.each(one)
+    for node in ssh.cluster.nodes:
+        if infos[node.name].torch is None:
+            raise NodeError(
+                node,
+                f"{node.python} has no torch ({infos[node.name].raw.get('torch_error', '')}): install dtrain's "
+                "training dependencies there, or point python = ... at an environment that has them",
+            )
+    check_versions(ssh.cluster, infos)
+    return infos
+
+
+def check_versions(cluster: Cluster, infos: dict[str, NodeInfo]) -> None:
+    """Python and torch must match the master's on every node (pickled objects and collectives cross)."""
+    m = cluster.master
+    for node in cluster.nodes[1:]:
+        for what in ("python", "torch"):
+            want, got = getattr(infos[m.name], what), getattr(infos[node.name], what)
+            if want != got:
+                raise NodeError(
+                    node,
+                    f"{what} {got} differs from the master {m.name}'s {what} {want}: "
+                    "install the same version on every node",
+                )
+
+
+def check_port(ssh: SSH, run_id: str, server: Node, port: int, clients: Sequence[Node], what: str) -> None:
+    """Every client can open a TCP connection to server:port (nothing else listening there)."""
+    if not clients:
+        return
+    listener = ssh.popen(
+        server,
+        agent_command(server, run_id, "listen", "--addr", server.address, "--port", str(port), "--seconds", "60"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        first = listener.stdout.readline().decode(errors="replace")  # type: ignore[union-attr]
+        try:
+            state = json.loads(first)
+        except ValueError:
+            listener.wait(timeout=30)
+            err = listener.stderr.read().decode(errors="replace")  # type: ignore[union-attr]
+            why = explain(err, server, ssh.known_hosts) if listener.returncode == 255 else err.strip()[-200:]
+            raise NodeError(server, f"could not listen on port {port}: {why}") from None
+        if not state.get("listening"):
+            raise NodeError(
+                server,
+                f"{what} port {port} is not free there ({state.get('error')}): stop what uses it, or set rdzv_port",
+            )
+        port = state["ports"][0]  # the port the OS gave, when asked for any (0)
+
+        def one(node: Node) -> None:
+            target = f"{server.address}:{port}"
+            p = ssh.run(
+                node,
+                agent_command(node, run_id, "connect", "--to", target, "--timeout", str(PORT_CHECK_TIMEOUT_S)),
+                timeout=PORT_CHECK_TIMEOUT_S + 60,
+                check=False,
+            )
+            try:
+                result = json.loads(p.stdout.decode().strip().splitlines()[-1])["results"][0]
+            except (ValueError, IndexError, KeyError):
+                raise NodeError(
+                    node, f"port check printed no result: {p.stderr.decode(errors='replace')[-200:]}"
+                ) from None
+            if not result["ok"]:
+                raise UserError(
+                    f"node {node.name} cannot reach {server.name} ({target}) on TCP port {port}, the {what} port "
+                    f"({result['error']}): open it between the nodes (firewall, iptables, security group)"
+                )
+
+        ssh.each(one, clients)
+    finally:
+        with contextlib.suppress(OSError):
+            listener.stdin.close()  # type: ignore[union-attr]  # the listener exits on EOF, freeing the port
+        try:
+            listener.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            listener.kill()
+            listener.wait()
+
+
+def job_spec(
+    cluster: Cluster,
+    node: Node,
+    *,
+    module: str,
+    run_id: str,
+    nproc: int,
+    threads: int,
+    max_restarts: int,
+    argv: list[str],
+) -> dict[str, Any]:
+    """What `nodeagent run` starts on `node`: torchrun for `module`, and the job's environment."""
+    master = cluster.master
+    env = {
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+        "DTRAIN_INTERNAL_TTY": "0",  # output goes through SSH: plain lines; the bar is drawn here
+        "DTRAIN_INTERNAL_PROGRESS": "1",
+    }
+    if node.interface:
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = node.interface
+    if console.state.debug:
+        env["DTRAIN_DEBUG"] = "1"
+    else:
+        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # c10d's warnings (reverse DNS of peers, ...) are noise here
+    env.update({k: os.environ[k] for k in FORWARD_ENV if os.environ.get(k)})
+    env.update(cluster.env)
+    torchrun = [
+        node.python, "-m", "dtrain.common.launch",
+        "--nnodes", str(len(cluster.nodes)),
+        "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"{master.address}:{cluster.rdzv_port}",
+        "--rdzv-id", run_id,
+        "--rdzv-conf", f"is_host={int(node.name == master.name)},join_timeout={cluster.rdzv_timeout}",
+        "--local-addr", node.address,
+        "--max-restarts", str(max_restarts),
+        "-m", module,
+        *argv,
+    ]  # fmt: skip
+    return {"argv": torchrun, "env": env, "grace_s": SHUTDOWN_GRACE_S}
+
+
+class LogFiles:
+    """Per-node log files: written live to a local staging directory, copied under the run's
+    logs/ when the job ends (the run may live in a bucket)."""
+
+    def __init__(self, run_id: str) -> None:
+        self.dir = logs_cache_dir(run_id)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._files: dict[str, IO[str]] = {}
+
+    def write(self, node: str, line: str) -> None:
+        f = self._files.get(node)
+        if f is None:
+            f = self._files[node] = (self.dir / f"{node}.log").open("a", encoding="utf-8")
+        stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+        f.write(f"{stamp} {line}\n")
+        f.flush()
+
+    def close(self, run: Store) -> None:
+        for f in self._files.values():
+            f.close()
+        with contextlib.suppress(Exception):
+            if run.exists("config.json"):  # a run stopped by bad input before it started leaves nothing
+                for p in sorted(self.dir.glob("*.log")):
+                    run.write_bytes(f"logs/{p.name}", p.read_bytes())
+
+
+def logs_cache_dir(run_id: str) -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dtrain" / "logs" / run_id
+
+
+class Job:
+    """The agents of one job, one per node: their output, signals and exit codes."""
+
+    def __init__(
+        self,
+        ssh: SSH,
+        cluster: Cluster,
+        run_id: str,
+        specs: dict[str, dict],
+        logs: LogFiles | None,
+        *,
+        echo: bool = True,
+    ) -> None:
+        self.ssh, self.cluster, self.run_id, self.specs, self.logs = ssh, cluster, run_id, specs, logs
+        self.echo = echo  # False: keep the lines in .output instead of printing them
+        self.output: list[tuple[str, str]] = []
+        self.lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.codes: dict[str, int] = {}
+        self.first_failure: tuple[str, int] | None = None
+        self.interrupted = False
+        self._signals: list[int] = []
+        self._progress: Any = None
+        self._task: Any = None
+        self._int_seen = self._term_seen = False
+
+    def run(self) -> int:
+        old = {s: signal.signal(s, lambda n, _f: self._signals.append(n)) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._start()
+            return self._supervise()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            for p in self.procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            if self._progress is not None:
+                self._progress.stop()
+
+    def _start(self) -> None:
+        for node in self.cluster.nodes:
+            p = self.ssh.popen(
+                node,
+                agent_command(node, self.run_id, "run"),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            self.procs[node.name] = p
+            if self.logs is not None:
+                self.logs.write(node.name, f"dtrain: job started on {node.describe()} in {run_dir(node, self.run_id)}")
+            p.stdin.write((json.dumps(self.specs[node.name]) + "\n").encode())  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+            threading.Thread(target=self._read, args=(node.name, p), daemon=True).start()
+
+    def _read(self, name: str, p: subprocess.Popen) -> None:
+        for raw in p.stdout:  # type: ignore[union-attr]
+            self.lines.put((name, raw.decode(errors="replace").rstrip("\r\n")))
+        self.lines.put((name, None))
+
+    def _send(self, word: str) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                with contextlib.suppress(OSError, ValueError):
+                    p.stdin.write(f"{word}\n".encode())  # type: ignore[union-attr]
+                    p.stdin.flush()  # type: ignore[union-attr]
+
+    def _supervise(self) -> int:
+        open_streams = set(self.procs)
+        kill_at = hard_stop_at = float("inf")
+        while open_streams or any(p.poll() is None for p in self.procs.values()):
+            self._handle_signals()
+            if self._int_seen and kill_at == float("inf"):
+                kill_at = time.monotonic() + INT_GRACE_S
+            if self._term_seen and kill_at == float("inf"):
+                kill_at = time.monotonic() + SHUTDOWN_GRACE_S
+            try:
+                name, line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                name, line = "", ""
+            if name and line is None:
+                open_streams.discard(name)
+            elif name:
+                self._show(name, line)
+            for n, p in self.procs.items():
+                if n not in self.codes and p.poll() is not None:
+                    self.codes[n] = p.returncode
+                    if p.returncode != 0 and self.first_failure is None and not self.interrupted:
+                        self.first_failure = (n, p.returncode)
+                        if p.returncode == 255:
+                            self._say(f"lost the SSH connection to node {n}")
+                        if any(q.poll() is None for q in self.procs.values()):
+                            kill_at = min(kill_at, time.monotonic() + FAIL_FAST_GRACE_S)
+            now = time.monotonic()
+            if now > kill_at:
+                self._send("KILL")
+                kill_at, hard_stop_at = float("inf"), now + 10
+            if now > hard_stop_at:  # an agent that does not answer: drop its connection
+                for p in self.procs.values():
+                    if p.poll() is None:
+                        p.kill()
+                hard_stop_at = float("inf")
+        return self._code()
+
+    def _handle_signals(self) -> None:
+        while self._signals:
+            sig = self._signals.pop(0)
+            if sig == signal.SIGINT:
+                if self.interrupted:
+                    self._send("KILL")  # a second Ctrl-C: now
+                else:
+                    self.interrupted = self._int_seen = True
+                    self._say("interrupted: stopping the job on every node")
+                    self._send("INT")
+            else:
+                self._term_seen = True
+                self._say("SIGTERM: the job checkpoints and stops on every node")
+                self._send("TERM")
+
+    def _code(self) -> int:
+        if self.interrupted:
+            return int(ExitCode.INTERRUPTED)
+        if self.first_failure is not None:
+            _name, rc = self.first_failure
+            return rc if rc in (int(ExitCode.USAGE), int(ExitCode.PREEMPTED)) else int(ExitCode.FAILURE)
+        nonzero = [c for c in self.codes.values() if c != 0]
+        return nonzero[0] if nonzero else 0
+
+    def _say(self, message: str) -> None:
+        self._print(f"[bold]dtrain[/]: {message}", markup=True)
+
+    def _show(self, name: str, line: str) -> None:
+        if line.startswith(CONTROL_PREFIX):
+            return
+        if line.startswith(PROGRESS_PREFIX):
+            self._update_progress(line[len(PROGRESS_PREFIX) :])
+            return
+        if self.logs is not None:
+            self.logs.write(name, line)
+        if not self.echo:
+            self.output.append((name, line))
+            return
+        from rich.text import Text
+
+        self._print(Text.assemble((f"[{name}] ", node_style(name, self.cluster)), line))
+
+    def _print(self, what: Any, markup: bool = False) -> None:
+        target = self._progress.console if self._progress is not None else console.out
+        target.print(what, markup=markup, highlight=False, soft_wrap=True)
+
+    def _update_progress(self, payload: str) -> None:
+        if not console.out.is_terminal:
+            return
+        try:
+            ev = json.loads(payload)
+        except ValueError:
+            return
+        if self._progress is None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+                console=console.out,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(ev.get("description", ""), total=ev.get("total"), status="")
+        self._progress.update(
+            self._task, completed=ev.get("completed", 0), total=ev.get("total"), status=ev.get("status", "")
+        )
+
+
+STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red")
+
+
+def node_style(name: str, cluster: Cluster) -> str:
+    names = [n.name for n in cluster.nodes]
+    return STYLES[names.index(name) % len(STYLES)] if name in names else "white"
+
+
+def launch_cluster(
+    workload: str,
+    workload_args: dict[str, Any],
+    *,
+    cluster: Cluster,
+    nproc: int,
+    max_restarts: int,
+    output: str,
+    resumed: Store | None,
+    accept_new_host_keys: bool,
+) -> tuple[int, Store, str]:
+    """Run the job on every node; returns (exit code, run directory, run id)."""
+    from dtrain.cli.launcher import _outcome, auto_nproc
+    from dtrain.common.config import to_argv
+
+    if resumed is not None:
+        run = resumed
+        run_id = run.url.rstrip("/").rsplit("/", 1)[-1]
+        args = {**workload_args, "output": output, "resume": run.url}
+    else:
+        run_id = workload_args.get("run_id") or new_run_id(workload)
+        run = open_store(f"{output.rstrip('/')}/{run_id}")
+        args = {**workload_args, "output": output, "run_id": run_id}
+    if len(cluster.nodes) > 1 and not is_remote(run.url) and not cluster.shared_fs:
+        raise UserError(
+            f"a run on {len(cluster.nodes)} nodes needs --output that every node reaches: a gs://bucket/prefix "
+            f"(or set shared_fs = true in [clusters.{cluster.name}] if {output} is a shared filesystem)"
+        )
+    archive, digest = code_archive()
+    logs = LogFiles(run_id)
+    with SSH(cluster, accept_new_host_keys=accept_new_host_keys) as ssh:
+        attempt = 0
+        while True:
+            t0 = time.monotonic()
+            ssh.connect_all()
+            if attempt == 0:
+                sync_code(ssh, run_id, archive)
+            infos = node_infos(ssh, run_id)
+            check_port(ssh, run_id, cluster.master, cluster.rdzv_port, cluster.nodes[1:], "rendezvous")
+            m = infos[cluster.master.name]
+            n = nproc or auto_nproc(m.gpus, m.cpus)
+            specs = {
+                node.name: job_spec(
+                    cluster,
+                    node,
+                    module=f"dtrain.{workload}.train",
+                    run_id=run_id,
+                    nproc=n,
+                    threads=max(1, infos[node.name].cpus // n),
+                    max_restarts=0,  # dtrain relaunches the whole job instead (see below)
+                    argv=to_argv(args),
+                )
+                for node in cluster.nodes
+            }
+            verb = "resuming" if resumed is not None or attempt else "starting"
+            console.out.print(
+                f"{verb} [bold]{workload}[/] run [cyan]{run_id}[/] on cluster [bold]{cluster.name}[/]: "
+                f"{len(cluster.nodes)} node(s) x {n} process(es), torch {m.torch}, code {digest} "
+                f"(ready in {time.monotonic() - t0:.1f} s)",
+                highlight=False,
+            )
+            job = Job(ssh, cluster, run_id, specs, logs)
+            code = job.run()
+            retry = code not in (0, int(ExitCode.USAGE), int(ExitCode.PREEMPTED)) and not job.interrupted
+            if not retry or attempt >= max_restarts or not run.exists("config.json"):
+                break
+            # Relaunch every node from the last complete checkpoint. torchrun's own restarts are not
+            # used across nodes: a node whose agent restarts on a membership change counts no
+            # restart, so the nodes' store prefixes and TORCHELASTIC_RESTART_COUNT disagree.
+            attempt += 1
+            console.out.print(
+                f"[bold]dtrain[/]: the job failed (exit {code}); relaunching it on every node from the last "
+                f"complete checkpoint (restart {attempt} of {max_restarts})",
+                highlight=False,
+            )
+            args = {**{k: v for k, v in args.items() if k != "run_id"}, "resume": run.url}
+        logs.close(run)
+    forwarded = [signal.SIGINT] if job.interrupted else []
+    return _outcome(run, code, forwarded), run, run_id
+
+
+__all__ = ["launch_cluster", "code_archive", "check_port", "node_infos", "sync_code", "Job"]

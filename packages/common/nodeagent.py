@@ -1,0 +1,210 @@
+"""What dtrain runs on each node over SSH, from the code it synced there. Standard library only
+until a job starts, so `info` also works where torch is missing and says so.
+
+    python -m dtrain.common.nodeagent info [--workdir DIR]      one JSON line: versions, CPUs, GPUs, disk
+    python -m dtrain.common.nodeagent listen --addr A --port P [--port P2 ...] --seconds S
+    python -m dtrain.common.nodeagent connect --to HOST:PORT [--to ...] [--timeout S]
+    python -m dtrain.common.nodeagent run                       a job: its spec as one JSON line on stdin
+
+`run` starts the spec's argv (torchrun through dtrain.common.launch) in a session of its own, with
+its output going straight to SSH, then reads stdin for control lines: INT, TERM or KILL is sent to
+the job's whole process tree. When stdin closes (the launcher went away, or its SSH connection
+died), the job is stopped: SIGTERM, then SIGKILL after the spec's grace period. When the job ends,
+anything it left behind is killed, so no process outlives the agent. The agent exits with the job's
+exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+CONTROL_PREFIX = "\x1edtrain-agent "  # lines the launcher reads instead of printing
+SIGNALS = {"INT": signal.SIGINT, "TERM": signal.SIGTERM, "KILL": signal.SIGKILL}
+DEFAULT_GRACE_S = 45.0
+
+
+def info(workdir: str) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    }
+    wd = Path(os.path.expanduser(workdir or "."))
+    wd.mkdir(parents=True, exist_ok=True)
+    usage = shutil.disk_usage(wd)
+    out["disk_free_bytes"], out["disk_total_bytes"], out["workdir"] = usage.free, usage.total, str(wd.resolve())
+    try:
+        import torch
+    except ImportError as e:
+        out["torch"], out["torch_error"] = None, str(e)
+        return out
+    out["torch"] = torch.__version__
+    out["cuda"] = torch.version.cuda
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(i)
+            gpus.append({"name": torch.cuda.get_device_name(i), "free_bytes": free, "total_bytes": total})
+    out["gpus"] = gpus
+    out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if gpus else None
+    return out
+
+
+def listen(addr: str, ports: list[int], seconds: float) -> int:
+    """Accept connections on each port for `seconds`; prints one JSON line once all are bound."""
+    socks = []
+    for p in ports:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, p))
+        except OSError as e:
+            print(json.dumps({"listening": False, "port": p, "error": e.strerror or str(e)}), flush=True)
+            return 1
+        s.listen(64)
+        s.settimeout(0.2)
+        socks.append(s)
+    print(json.dumps({"listening": True, "ports": [s.getsockname()[1] for s in socks]}), flush=True)
+    closed = threading.Event()  # stdin's EOF: the caller is done (or gone); free the ports now
+
+    def watch() -> None:
+        sys.stdin.read()
+        closed.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not closed.is_set():
+        for s in socks:
+            try:
+                conn, _ = s.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+    for s in socks:
+        s.close()
+    return 0
+
+
+def connect(targets: list[str], timeout: float) -> int:
+    """Try a TCP connection to each HOST:PORT; one JSON line with the results."""
+    results = []
+    for t in targets:
+        host, _, port = t.rpartition(":")
+        t0 = time.monotonic()
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout).close()
+            results.append({"to": t, "ok": True, "ms": round((time.monotonic() - t0) * 1000, 1)})
+        except OSError as e:
+            reason = "timed out" if isinstance(e, (TimeoutError, socket.timeout)) else (e.strerror or str(e))
+            results.append({"to": t, "ok": False, "error": reason})
+    print(json.dumps({"results": results}), flush=True)
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        kids.setdefault(ppid, []).append(int(d))
+    return kids
+
+
+def tree(pid: int) -> list[int]:
+    """pid and all its descendants (torchrun's workers run in sessions of their own, so a process
+    group does not reach them)."""
+    kids, out, todo = _children(), [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
+def signal_tree(pid: int, sig: int, *, only_root: bool = False) -> None:
+    for p in [pid] if only_root else tree(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, sig)
+
+
+def run() -> int:
+    line = sys.stdin.readline()
+    if not line:
+        return 2
+    spec = json.loads(line)
+    grace = float(spec.get("grace_s", DEFAULT_GRACE_S))
+    env = {**os.environ, **spec.get("env", {})}
+    proc = subprocess.Popen(spec["argv"], env=env, cwd=spec.get("cwd") or None, start_new_session=True)
+    snapshot: list[int] = [proc.pid]
+
+    def watch_stdin() -> None:
+        for raw in sys.stdin:
+            sig = SIGNALS.get(raw.strip())
+            if sig is not None:
+                # torchrun forwards INT and TERM to its workers itself; KILL must reach them all.
+                signal_tree(proc.pid, sig, only_root=sig != signal.SIGKILL)
+        # stdin closed: the launcher is gone. Stop the job, then make sure.
+        if proc.poll() is None:
+            signal_tree(proc.pid, signal.SIGTERM, only_root=True)
+            deadline = time.monotonic() + grace
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            signal_tree(proc.pid, signal.SIGKILL)
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    print(CONTROL_PREFIX + json.dumps({"event": "started", "pid": proc.pid}), flush=True)
+    while proc.poll() is None:
+        snapshot[:] = tree(proc.pid)  # the last view of the job's processes, to sweep at the end
+        time.sleep(0.5)
+    for p in snapshot[1:]:  # whatever the job left behind
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+    return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dtrain.common.nodeagent")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pi = sub.add_parser("info")
+    pi.add_argument("--workdir", default=".")
+    pl = sub.add_parser("listen")
+    pl.add_argument("--addr", default="0.0.0.0")
+    pl.add_argument("--port", type=int, action="append", required=True)
+    pl.add_argument("--seconds", type=float, default=10.0)
+    pc = sub.add_parser("connect")
+    pc.add_argument("--to", action="append", required=True)
+    pc.add_argument("--timeout", type=float, default=3.0)
+    sub.add_parser("run")
+    a = p.parse_args(argv)
+    if a.cmd == "info":
+        print(json.dumps(info(a.workdir)), flush=True)
+        return 0
+    if a.cmd == "listen":
+        return listen(a.addr, a.port, a.seconds)
+    if a.cmd == "connect":
+        return connect(a.to, a.timeout)
+    return run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
