@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -227,7 +228,6 @@ def doctor(
     """Check a cluster before spending money: SSH, versions, ports between every pair of nodes,
     a short all-reduce (nccl on GPU, gloo on CPU) with its bandwidth, disk and GPU memory free."""
     from dtrain.cli import remote
-    from dtrain.cli.ssh import NodeError
 
     c = load_cluster(cluster)
     ssh = _ssh(c, accept_new_host_keys)
@@ -264,7 +264,7 @@ def doctor(
             checks.append(_allreduce(ssh, c, run_id, infos, mib))
         else:
             checks.append(Check("all", "all-reduce", False, "skipped: fix the checks above first"))
-        with __import__("contextlib").suppress(Exception):
+        with contextlib.suppress(Exception):
             ssh.each(lambda n: ssh.run(n, f"rm -rf {shlex.quote(remote.run_dir(n, run_id))}", check=False), reachable)
     _print_checks(checks)
     if not all(ch.ok for ch in checks):
@@ -273,7 +273,6 @@ def doctor(
             f"{len(failed)} check(s) failed: first: node {failed[0].node}, {failed[0].check}: {failed[0].detail}"
         )
         console.state.exit_code = int(ExitCode.FAILURE)
-    _ = NodeError
 
 
 def _version_checks(c: Any, infos: dict[str, Any]) -> list[Check]:

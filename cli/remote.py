@@ -42,12 +42,12 @@ from dtrain.cli import console
 from dtrain.cli.cluster import Cluster, Node
 from dtrain.cli.ssh import SSH, NodeError, explain
 from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.metrics import PROGRESS_PREFIX
+from dtrain.common.nodeagent import CONTROL_PREFIX
 from dtrain.common.rundir import new_run_id
 from dtrain.common.storage import Store, is_remote, open_store
 
 AGENT = "dtrain.common.nodeagent"
-CONTROL_PREFIX = "\x1edtrain-agent "
-PROGRESS_PREFIX = "\x1edtrain-progress "
 INT_GRACE_S = 5.0  # Ctrl-C: the job's processes get this long to exit before they are killed
 FAIL_FAST_GRACE_S = 15.0  # a node failed: the others get this long to notice before they are killed
 SHUTDOWN_GRACE_S = 45.0  # SIGTERM: workers checkpoint and exit PREEMPTED

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-CONTROL_PREFIX = "\x1edtrain-agent "  # lines the launcher reads instead of printing
+CONTROL_PREFIX = "\x02dtrain-agent "  # lines the launcher reads instead of printing
 SIGNALS = {"INT": signal.SIGINT, "TERM": signal.SIGTERM, "KILL": signal.SIGKILL}
 DEFAULT_GRACE_S = 45.0
 

@@ -278,3 +278,26 @@ def test_wrong_key_and_unreachable_node_are_named(cwd: Path, emulator: str, test
     assert r.returncode == ExitCode.USAGE
     assert f"error: node h1 (root@{gone}:22): unreachable" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 40
+
+
+def test_worker_killed_without_restarts_fails_fast(cwd: Path, emulator: str, testbed: Testbed) -> None:
+    p = start(cwd, emulator, *MNIST, "--output", bucket(emulator))
+    try:
+        deadline = time.monotonic() + 120
+        while len(job_processes(testbed, workers_only=True)["h1"]) < 2:
+            assert time.monotonic() < deadline, "workers never started"
+            assert p.poll() is None, p.stdout.read()
+            time.sleep(0.2)
+        time.sleep(5)
+        for w in job_processes(testbed, workers_only=True)["h1"]:
+            os.kill(int(w.split()[0]), signal.SIGKILL)
+        t0 = time.monotonic()
+        text, _ = p.communicate(timeout=120)
+        elapsed = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == ExitCode.FAILURE, text
+    assert elapsed < 45, elapsed  # the survivors see the dead peer, or are killed after FAIL_FAST_GRACE_S
+    assert "continues from its last complete checkpoint" in text
+    assert job_processes(testbed) == {"h0": [], "h1": []}
