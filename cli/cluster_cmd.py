@@ -247,10 +247,8 @@ def doctor(
             archive, _ = remote.code_archive()
             for n in reachable:
                 try:
-                    d = f"{remote.run_dir(n, run_id)}/code"
-                    ssh.run(n, f"mkdir -p {shlex.quote(d)} && tar -xzf - -C {shlex.quote(d)}", input=archive)
-                    p = ssh.run(n, remote.agent_command(n, run_id, "info", "--workdir", "../.."), check=False)
-                    infos[n.name] = remote.NodeInfo.parse(n, p.stdout.decode(errors="replace"))
+                    remote.sync_node(ssh, n, run_id, archive)
+                    infos[n.name] = remote.node_info(ssh, n, run_id)
                 except UserError as e:
                     checks.append(Check(n.name, "python", False, str(e), f"set python = ... for node {n.name}"))
         checks += _version_checks(c, infos)

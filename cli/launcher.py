@@ -64,6 +64,19 @@ def auto_nproc(gpus: int, cpus: int) -> int:
     return 2 if cpus >= 2 else 1
 
 
+def run_target(
+    workload: str, workload_args: dict[str, Any], output: str, resumed: Store | None
+) -> tuple[str, Store, dict[str, Any]]:
+    """The run's id and directory, and the workload's arguments that name them: `--resume <url>`
+    for the run being continued, else `--run-id` (given, or a new one) under `output`."""
+    if resumed is not None:
+        run_id = resumed.url.rstrip("/").rsplit("/", 1)[-1]
+        return run_id, resumed, {**workload_args, "output": output, "resume": resumed.url}
+    run_id = workload_args.get("run_id") or new_run_id(workload)
+    run = open_store(f"{output.rstrip('/')}/{run_id}")
+    return run_id, run, {**workload_args, "output": output, "run_id": run_id}
+
+
 def plan_local(
     workload: str,
     workload_args: dict[str, Any],
@@ -76,14 +89,7 @@ def plan_local(
     """`resumed`: the run directory being continued (already located), or None for a new run."""
     from dtrain.common.config import to_argv
 
-    if resumed is not None:
-        run = resumed
-        run_id = run.url.rstrip("/").rsplit("/", 1)[-1]
-        args = {**workload_args, "output": output, "resume": run.url}
-    else:
-        run_id = workload_args.get("run_id") or new_run_id(workload)
-        run = open_store(f"{output.rstrip('/')}/{run_id}")
-        args = {**workload_args, "output": output, "run_id": run_id}
+    run_id, run, args = run_target(workload, workload_args, output, resumed)
     gpus = count_gpus()
     cpus = os.cpu_count() or 1
     n = nproc or auto_nproc(gpus, cpus)

@@ -42,10 +42,9 @@ from dtrain.cli import console
 from dtrain.cli.cluster import Cluster, Node
 from dtrain.cli.ssh import SSH, NodeError, explain
 from dtrain.common.errors import ExitCode, UserError
-from dtrain.common.metrics import PROGRESS_PREFIX
+from dtrain.common.metrics import PROGRESS_PREFIX, progress_bar
 from dtrain.common.nodeagent import CONTROL_PREFIX
-from dtrain.common.rundir import new_run_id
-from dtrain.common.storage import Store, is_remote, open_store
+from dtrain.common.storage import Store, is_remote
 
 AGENT = "dtrain.common.nodeagent"
 INT_GRACE_S = 5.0  # Ctrl-C: the job's processes get this long to exit before they are killed
@@ -112,23 +111,27 @@ def agent_command(node: Node, run_id: str, *args: str) -> str:
     )
 
 
-def sync_code(ssh: SSH, run_id: str, archive: bytes) -> None:
-    def one(node: Node) -> None:
-        d = shlex.quote(f"{run_dir(node, run_id)}/code")
-        ssh.run(node, f"mkdir -p {d} && tar -xzf - -C {d}", input=archive, timeout=120)
+def sync_node(ssh: SSH, node: Node, run_id: str, archive: bytes) -> None:
+    """Unpack `archive` (code_archive()) into the run's code directory on `node`."""
+    d = shlex.quote(f"{run_dir(node, run_id)}/code")
+    ssh.run(node, f"mkdir -p {d} && tar -xzf - -C {d}", input=archive, timeout=120)
 
-    ssh.each(one)
+
+def sync_code(ssh: SSH, run_id: str, archive: bytes) -> None:
+    ssh.each(lambda node: sync_node(ssh, node, run_id, archive))
+
+
+def node_info(ssh: SSH, node: Node, run_id: str) -> NodeInfo:
+    """What `nodeagent info` reports for `node` (its code synced for `run_id`); disk is its workdir's."""
+    p = ssh.run(node, agent_command(node, run_id, "info", "--workdir", "../.."), timeout=120, check=False)
+    if p.returncode != 0:
+        err = p.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {p.returncode}"]
+        raise NodeError(node, f"cannot run {node.python} there ({err[0]}): set python = ... for it")
+    return NodeInfo.parse(node, p.stdout.decode(errors="replace"))
 
 
 def node_infos(ssh: SSH, run_id: str) -> dict[str, NodeInfo]:
-    def one(node: Node) -> NodeInfo:
-        p = ssh.run(node, agent_command(node, run_id, "info", "--workdir", "../.."), timeout=120, check=False)
-        if p.returncode != 0:
-            err = p.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {p.returncode}"]
-            raise NodeError(node, f"cannot run {node.python} there ({err[0]}): set python = ... for it")
-        return NodeInfo.parse(node, p.stdout.decode(errors="replace"))
-
-    infos = ssh.each(one)
+    infos = ssh.each(lambda node: node_info(ssh, node, run_id))
     for node in ssh.cluster.nodes:
         if infos[node.name].torch is None:
             raise NodeError(
@@ -446,16 +449,7 @@ class Job:
         except ValueError:
             return
         if self._progress is None:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self._progress = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[status]}"),
-                TimeRemainingColumn(),
-                console=console.out,
-            )
+            self._progress = progress_bar(console.out)
             self._progress.start()
             self._task = self._progress.add_task(ev.get("description", ""), total=ev.get("total"), status="")
         self._progress.update(
@@ -483,17 +477,10 @@ def launch_cluster(
     accept_new_host_keys: bool,
 ) -> tuple[int, Store, str]:
     """Run the job on every node; returns (exit code, run directory, run id)."""
-    from dtrain.cli.launcher import _outcome, auto_nproc
+    from dtrain.cli.launcher import _outcome, auto_nproc, run_target
     from dtrain.common.config import to_argv
 
-    if resumed is not None:
-        run = resumed
-        run_id = run.url.rstrip("/").rsplit("/", 1)[-1]
-        args = {**workload_args, "output": output, "resume": run.url}
-    else:
-        run_id = workload_args.get("run_id") or new_run_id(workload)
-        run = open_store(f"{output.rstrip('/')}/{run_id}")
-        args = {**workload_args, "output": output, "run_id": run_id}
+    run_id, run, args = run_target(workload, workload_args, output, resumed)
     if len(cluster.nodes) > 1 and not is_remote(run.url) and not cluster.shared_fs:
         raise UserError(
             f"a run on {len(cluster.nodes)} nodes needs --output that every node reaches: a gs://bucket/prefix "

@@ -65,17 +65,7 @@ class Reporter:
             return
         if not self.enabled or not self.console.is_terminal:
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self._progress = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"),
-            TimeRemainingColumn(),
-            console=self.console,
-            transient=False,
-        )
+        self._progress = progress_bar(self.console)
         self._progress.start()
         self._task = self._progress.add_task(description, total=total, completed=completed, status="")
 
@@ -118,6 +108,22 @@ class Reporter:
         self.flush()
         if self._tb is not None:
             self._tb.close()
+
+
+def progress_bar(console: Any) -> Any:
+    """The training progress bar (a rich Progress, not started): rank 0's own, or the SSH launcher's
+    drawn from rank 0's progress lines."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
 
 
 def _plain(v: Any) -> Any:
