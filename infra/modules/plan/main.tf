@@ -1,0 +1,200 @@
+locals {
+  # GPU models dtrain can place, and how each attaches to a VM (source: cloud.google.com/compute/docs/gpus).
+  # - T4 is attached to an N1 general-purpose VM; 1, 2 or 4 per VM, and the VM's vCPUs are capped by
+  #   the GPU count (1 or 2 GPUs: up to 48 vCPUs; 4 GPUs: up to 96).
+  # - L4 exists only on the G2 accelerator-optimized series, where the machine type fixes the GPU
+  #   count (g2-standard-4/8/12/16/32: 1; g2-standard-24: 2; g2-standard-48: 4; g2-standard-96: 8).
+  # To add A100 or H100, add an entry with families = ["a2"] / ["a3"] and their fixed_counts
+  # (e.g. "a2-highgpu-1g" = 1, "a3-highgpu-8g" = 8), plus a default_machine per count.
+  accelerators = {
+    "nvidia-tesla-t4" = {
+      families        = ["n1"]
+      fixed_counts    = {}
+      allowed_counts  = [1, 2, 4]
+      max_vcpus       = { "1" = 48, "2" = 48, "4" = 96 }
+      default_machine = { "1" = "n1-standard-4", "2" = "n1-standard-8", "4" = "n1-standard-16" }
+    }
+    "nvidia-l4" = {
+      families = ["g2"]
+      fixed_counts = {
+        "g2-standard-4"  = 1
+        "g2-standard-8"  = 1
+        "g2-standard-12" = 1
+        "g2-standard-16" = 1
+        "g2-standard-24" = 2
+        "g2-standard-32" = 1
+        "g2-standard-48" = 4
+        "g2-standard-96" = 8
+      }
+      allowed_counts = [1, 2, 4, 8]
+      max_vcpus      = {}
+      # g2-standard-8 for one GPU rather than -4: 8 vCPUs / 32 GB keep a data loader fed.
+      default_machine = { "1" = "g2-standard-8", "2" = "g2-standard-24", "4" = "g2-standard-48", "8" = "g2-standard-96" }
+    }
+  }
+
+  # Machine series whose machine types come with GPUs attached; a CPU node must not use them.
+  gpu_families = toset(flatten([for a in values(local.accelerators) : length(a.fixed_counts) > 0 ? a.families : []]))
+
+  gpu         = var.use_gpu
+  accelerator = local.gpu ? local.accelerators[var.accelerator_type] : null
+
+  # CPU nodes default to e2-medium: enough for gloo tests and small runs, and the cheapest type that
+  # is not shared-core throttled for minutes at a time.
+  derived_machine_type = local.gpu ? lookup(local.accelerator.default_machine, tostring(var.gpus_per_node), "") : "e2-medium"
+  machine_type         = var.machine_type != "" ? var.machine_type : local.derived_machine_type
+
+  # Legacy custom types ("custom-4-15360") are N1.
+  machine_family = startswith(local.machine_type, "custom-") ? "n1" : split("-", local.machine_type)[0]
+  machine_vcpus  = try(tonumber(regex("^(?:n1-(?:standard|highmem|highcpu)|(?:n1-)?custom)-([0-9]+)", local.machine_type)[0]), null)
+
+  # Rules below are gated so one mistake gives one error: the count first, then the machine
+  # family, then the count a fixed-count machine type carries.
+  count_ok  = !local.gpu || contains(local.accelerator.allowed_counts, var.gpus_per_node)
+  family_ok = !local.gpu || contains(local.accelerator.families, local.machine_family)
+
+  gpus = local.gpu ? var.gpus_per_node : 0
+  guest_accelerators = local.gpu ? [{
+    type  = var.accelerator_type
+    count = var.gpus_per_node
+  }] : []
+
+  # GPU nodes: a Deep Learning VM "common" image with the NVIDIA 580 driver, CUDA 12.9, Docker and
+  # the NVIDIA container toolkit (Ubuntu 24.04). CPU nodes: plain Ubuntu 24.04 LTS, the same
+  # distribution, so the startup script takes one path (it installs docker.io from Ubuntu's archive).
+  image_project = var.image_project != "" ? var.image_project : (local.gpu ? "deeplearning-platform-release" : "ubuntu-os-cloud")
+  image_family  = var.image_family != "" ? var.image_family : (local.gpu ? "common-cu129-ubuntu-2404-nvidia-580" : "ubuntu-2404-lts-amd64")
+  image         = "projects/${local.image_project}/global/images/family/${local.image_family}"
+  dlvm_image    = local.image_project == "deeplearning-platform-release"
+
+  secure_boot = var.secure_boot != null ? var.secure_boot : !local.gpu
+
+  # GPU VMs cannot live-migrate, and Spot VMs must terminate on maintenance; both restart only when
+  # they are standard VMs. A preempted Spot node is STOPped by default so its disk and internal IP
+  # survive for a restart.
+  scheduling = {
+    on_host_maintenance         = local.gpu || var.spot ? "TERMINATE" : "MIGRATE"
+    automatic_restart           = !var.spot
+    preemptible                 = var.spot
+    provisioning_model          = var.spot ? "SPOT" : "STANDARD"
+    instance_termination_action = var.spot ? var.spot_termination_action : null
+  }
+
+  # IAP's TCP-forwarding source range (cloud.google.com/iap/docs/using-tcp-forwarding).
+  iap_range         = "35.235.240.0/20"
+  ssh_source_ranges = distinct(concat(var.ssh_source_ranges, var.iap_ssh ? [local.iap_range] : []))
+  ssh_anywhere      = [for c in var.ssh_source_ranges : c if can(cidrhost(c, 0)) && endswith(c, "/0")]
+
+  name_prefix = "dtrain-${var.cluster_name}"
+  bucket_name = var.bucket_name != "" ? var.bucket_name : "${var.project_id}-dtrain-${var.cluster_name}"
+
+  # Master first: the launcher and the cluster record rely on the order.
+  node_names = concat(["${var.cluster_name}-master"], [for i in range(var.worker_count) : "${var.cluster_name}-worker-${i}"])
+  nodes      = { for i, name in local.node_names : name => { role = i == 0 ? "master" : "worker", index = i } }
+
+  # dtrain's own label wins over a user label of the same key: `dtrain down` sweeps by it.
+  labels = merge(var.labels, { "dtrain-cluster" = var.cluster_name })
+}
+
+# One terraform_data per cross-variable rule, so a failing plan names the rule and each
+# `terraform test` run can expect exactly the rule it breaks.
+
+resource "terraform_data" "zone_in_region" {
+  lifecycle {
+    precondition {
+      condition     = startswith(var.zone, "${var.region}-")
+      error_message = "zone ${var.zone} is not in region ${var.region}."
+    }
+  }
+}
+
+resource "terraform_data" "gpu_machine_family" {
+  lifecycle {
+    precondition {
+      condition     = !local.count_ok || local.family_ok
+      error_message = "accelerator ${var.accelerator_type} cannot be attached to ${local.machine_type}: it needs a ${join("/", local.gpu ? local.accelerator.families : [])} machine type (T4 attaches to n1-*, L4 exists only on g2-standard-*)."
+    }
+  }
+}
+
+resource "terraform_data" "gpu_count" {
+  lifecycle {
+    precondition {
+      condition     = local.count_ok
+      error_message = "gpus_per_node = ${var.gpus_per_node} is not offered for ${var.accelerator_type}: choose one of ${join(", ", local.gpu ? [for n in local.accelerator.allowed_counts : tostring(n)] : [])}."
+    }
+  }
+}
+
+resource "terraform_data" "gpu_fixed_count" {
+  lifecycle {
+    precondition {
+      condition = (
+        !local.gpu || !local.count_ok || !local.family_ok || length(local.accelerator.fixed_counts) == 0 ||
+        lookup(local.accelerator.fixed_counts, local.machine_type, -1) == var.gpus_per_node
+      )
+      error_message = "machine type ${local.machine_type} carries ${try(tostring(local.accelerator.fixed_counts[local.machine_type]), "no")} ${var.accelerator_type} GPU(s), not gpus_per_node = ${var.gpus_per_node}; leave machine_type empty to derive the matching type."
+    }
+  }
+}
+
+resource "terraform_data" "gpu_vcpus" {
+  lifecycle {
+    precondition {
+      condition = (
+        !local.gpu || !local.count_ok || !local.family_ok || length(local.accelerator.max_vcpus) == 0 || local.machine_vcpus == null ||
+        local.machine_vcpus <= lookup(local.accelerator.max_vcpus, tostring(var.gpus_per_node), 0)
+      )
+      error_message = "${local.machine_type} has too many vCPUs for ${var.gpus_per_node} x ${var.accelerator_type} (at most ${try(tostring(local.accelerator.max_vcpus[tostring(var.gpus_per_node)]), "?")})."
+    }
+  }
+}
+
+resource "terraform_data" "cpu_machine_family" {
+  lifecycle {
+    precondition {
+      condition     = local.gpu || !contains(local.gpu_families, local.machine_family)
+      error_message = "use_gpu is false but ${local.machine_type} comes with GPUs attached; set use_gpu = true or pick a CPU machine type."
+    }
+  }
+}
+
+resource "terraform_data" "disk" {
+  lifecycle {
+    precondition {
+      condition     = !(local.machine_family == "g2" && var.disk_type == "pd-standard")
+      error_message = "G2 machine types do not support pd-standard disks; use pd-balanced or pd-ssd."
+    }
+    precondition {
+      condition     = !local.dlvm_image || var.disk_size_gb >= 50
+      error_message = "Deep Learning VM images need a boot disk of at least 50 GB; disk_size_gb is ${var.disk_size_gb}."
+    }
+  }
+}
+
+resource "terraform_data" "ssh_from_anywhere" {
+  lifecycle {
+    precondition {
+      condition     = var.allow_ssh_from_anywhere || length(local.ssh_anywhere) == 0
+      error_message = "ssh_source_ranges contains ${join(", ", local.ssh_anywhere)}, which opens SSH to the whole internet; list your own ranges, use iap_ssh, or set allow_ssh_from_anywhere = true."
+    }
+  }
+}
+
+resource "terraform_data" "ssh_reachable" {
+  lifecycle {
+    precondition {
+      condition     = length(local.ssh_source_ranges) > 0
+      error_message = "No SSH source: ssh_source_ranges is empty and iap_ssh is false, so nobody could reach the nodes (and an empty firewall source would mean 0.0.0.0/0)."
+    }
+  }
+}
+
+resource "terraform_data" "bucket_name" {
+  lifecycle {
+    precondition {
+      condition     = length(local.bucket_name) <= 63
+      error_message = "The derived bucket name ${local.bucket_name} is longer than 63 characters; set bucket_name."
+    }
+  }
+}

