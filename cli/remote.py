@@ -3,9 +3,12 @@
 The steps, each failing with a one-line error that names the node:
 1. connect to every node at once (cli/ssh.py; host keys checked against dtrain's known_hosts);
 2. sync dtrain's workload code to a per-run directory on each node, `<workdir>/runs/<run id>/code`
-   (synced mode: the node's `python` must have torch and the workload's libraries). A container
-   mode would replace this step and the interpreter with `docker run <image>`; the rest is the same;
-3. ask each node for its Python, torch, CPUs and GPUs (nodeagent info); refuse mismatched versions;
+   (synced mode: the node's `python` must have torch and the workload's libraries). In container mode
+   (an `image`) only the node agent is copied (standard library only; the node's `python` runs it),
+   `docker` is checked on every node and the image pulled on all of them at once, and the job runs as
+   `docker run --network host <image> <torchrun args>`; the rest is the same;
+3. ask each node for its Python, torch, CPUs and GPUs (nodeagent info); refuse mismatched versions
+   (synced mode: in container mode the image fixes them);
 4. check every worker can open a TCP connection to the master's rendezvous port;
 5. start `nodeagent run` on every node, which runs torchrun with a c10d rendezvous on the master
    (`--rdzv-conf is_host=1` there), `--local-addr` set to the node's cluster address and the run id
@@ -28,6 +31,7 @@ import io
 import json
 import os
 import queue
+import re
 import shlex
 import signal
 import subprocess
@@ -53,6 +57,13 @@ SHUTDOWN_GRACE_S = 45.0  # SIGTERM: workers checkpoint and exit PREEMPTED
 PORT_CHECK_TIMEOUT_S = 5.0
 # Passed to the job on every node when set here (over stdin, never on a command line or in a log).
 FORWARD_ENV = ("STORAGE_EMULATOR_HOST", "HF_TOKEN", "HF_HUB_OFFLINE", "DTRAIN_OFFLINE", "HF_ENDPOINT")
+DOCKER_CHECK_TIMEOUT_S = 60
+PULL_TIMEOUT_S = 1800  # a multi-GB CUDA image over a slow link
+# Container mode: what each node mounts, relative to its workdir (created by the agent), and where.
+# The job's working directory is its run directory, as in synced mode.
+CONTAINER_MOUNTS = (("cache", "/cache", "rw"), ("hf-cache", "/hf-cache", "rw"), ("data", "/data", "ro"))
+# Workload arguments that may name paths on the nodes: mounted at the same path inside the container.
+PATH_ARGS = {"data_dir": "ro", "data": "ro", "model": "ro", "output": "rw"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +110,23 @@ def code_archive() -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()[:12]
 
 
+def agent_archive() -> tuple[bytes, str]:
+    """Container mode: only the node agent (standard library only) goes to the nodes; the workload code
+    is in the image."""
+    buf = io.BytesIO()
+    spec = importlib.util.find_spec("dtrain.common")
+    assert spec is not None and spec.submodule_search_locations
+    root = Path(list(spec.submodule_search_locations)[0])
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name in ("__init__.py", "nodeagent.py"):
+            data = (root / name).read_bytes()
+            ti = tarfile.TarInfo(f"dtrain/common/{name}")
+            ti.size, ti.mtime, ti.mode = len(data), 0, 0o644
+            tar.addfile(ti, io.BytesIO(data))
+    data = buf.getvalue()
+    return data, hashlib.sha256(data).hexdigest()[:12]
+
+
 def run_dir(node: Node, run_id: str) -> str:
     return f"{node.workdir.rstrip('/')}/runs/{run_id}"
 
@@ -130,8 +158,10 @@ def node_info(ssh: SSH, node: Node, run_id: str) -> NodeInfo:
     return NodeInfo.parse(node, p.stdout.decode(errors="replace"))
 
 
-def node_infos(ssh: SSH, run_id: str) -> dict[str, NodeInfo]:
+def node_infos(ssh: SSH, run_id: str, *, container: bool = False) -> dict[str, NodeInfo]:
     infos = ssh.each(lambda node: node_info(ssh, node, run_id))
+    if container:
+        return infos  # torch and its Python are the image's, the same on every node
     for node in ssh.cluster.nodes:
         if infos[node.name].torch is None:
             raise NodeError(
@@ -141,6 +171,87 @@ def node_infos(ssh: SSH, run_id: str) -> dict[str, NodeInfo]:
             )
     check_versions(ssh.cluster, infos)
     return infos
+
+
+def on_every_node(ssh: SSH, fn: Any) -> dict[str, Any]:
+    """fn(node) on every node at once; fails with one line per node that failed (each names the node)."""
+    import concurrent.futures
+
+    nodes = list(ssh.cluster.nodes)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(nodes))) as pool:
+        futures = {n.name: pool.submit(fn, n) for n in nodes}
+    failed = [f.exception() for f in futures.values() if f.exception() is not None]
+    for e in failed:
+        if not isinstance(e, UserError):
+            raise e  # type: ignore[misc]
+    if failed:
+        raise UserError("\n".join(str(e) for e in failed))
+    return {name: f.result() for name, f in futures.items()}
+
+
+def docker_command(node: Node, *args: str) -> str:
+    return shlex.join([*shlex.split(node.docker), *args])
+
+
+def check_docker(ssh: SSH) -> dict[str, str]:
+    """`docker` works on every node (its daemon answers); returns each node's engine version."""
+
+    def one(node: Node) -> str:
+        p = ssh.run(
+            node,
+            docker_command(node, "version", "--format", "{{.Server.Version}}"),
+            timeout=DOCKER_CHECK_TIMEOUT_S,
+            check=False,
+        )
+        if p.returncode != 0 or not p.stdout.strip():
+            err = " ".join(p.stderr.decode(errors="replace").split())[-200:] or f"exit {p.returncode}"
+            low = err.lower()
+            if p.returncode == 127 or "not found" in low and "docker" in low:
+                fix = "install Docker there, or set docker = ... for it (e.g. a full path)"
+            elif "permission denied" in low:
+                fix = f'add {node.user or "the SSH user"} to the docker group there, or set docker = "sudo docker"'
+            else:
+                fix = "start the Docker daemon there (sudo systemctl start docker)"
+            raise NodeError(node, f"`{node.docker}` does not work ({err}): {fix}")
+        return p.stdout.decode().strip()
+
+    return on_every_node(ssh, one)
+
+
+def pull_image(ssh: SSH, image: str) -> float:
+    """`docker pull` on every node at once; returns the seconds it took. A node that cannot pull is one line
+    with the reason and the fix."""
+    host = image.split("/", 1)[0] if "/" in image and any(c in image.split("/", 1)[0] for c in ".:") else ""
+
+    def one(node: Node) -> None:
+        p = ssh.run(node, docker_command(node, "pull", "--quiet", image), timeout=PULL_TIMEOUT_S, check=False)
+        if p.returncode == 0:
+            return
+        err = " ".join(p.stderr.decode(errors="replace").split())[-300:] or f"exit {p.returncode}"
+        raise NodeError(node, f"cannot pull {image} ({err}): {pull_fix(err, host)}")
+
+    t0 = time.monotonic()
+    on_every_node(ssh, one)
+    return time.monotonic() - t0
+
+
+def pull_fix(err: str, host: str) -> str:
+    low = err.lower()
+    registry = host or "the registry"
+    if any(s in low for s in ("unauthorized", "denied", "authentication required", "forbidden")):
+        if host.endswith(("-docker.pkg.dev", "gcr.io")):
+            return (
+                f"let the node's service account read the repository (roles/artifactregistry.reader) and run "
+                f"`gcloud auth configure-docker {host}` there (VMs from dtrain up do both)"
+            )
+        return f"log in to {registry} on the node (docker login {host})"
+    if "manifest unknown" in low or "not found" in low or "does not exist" in low:
+        return "no such image or tag in the registry: check --image (dtrain build prints the reference it pushed)"
+    if "http response to https client" in low:
+        return f"{registry} speaks plain HTTP: add it to insecure-registries in the node's /etc/docker/daemon.json"
+    if any(s in low for s in ("dial tcp", "no such host", "timeout", "connection refused", "unreachable")):
+        return f"the node cannot reach {registry}: check its network route and firewall to it"
+    return "see docker's message"
 
 
 def check_versions(cluster: Cluster, infos: dict[str, NodeInfo]) -> None:
@@ -225,8 +336,12 @@ def job_spec(
     threads: int,
     max_restarts: int,
     argv: list[str],
+    gpus: int = 0,
+    paths: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """What `nodeagent run` starts on `node`: torchrun for `module`, and the job's environment."""
+    """What `nodeagent run` starts on `node`: torchrun for `module`, and the job's environment. With
+    cluster.image, torchrun runs in that image (`gpus`: the node's, for --gpus all; `paths`: node paths the
+    workload's arguments name, mounted at the same place, path -> "ro" | "rw")."""
     master = cluster.master
     env = {
         "OMP_NUM_THREADS": str(threads),
@@ -243,7 +358,6 @@ def job_spec(
     env.update({k: os.environ[k] for k in FORWARD_ENV if os.environ.get(k)})
     env.update(cluster.env)
     torchrun = [
-        node.python, "-m", "dtrain.common.launch",
         "--nnodes", str(len(cluster.nodes)),
         "--nproc-per-node", str(nproc),
         "--rdzv-backend", "c10d",
@@ -255,7 +369,42 @@ def job_spec(
         "-m", module,
         *argv,
     ]  # fmt: skip
-    return {"argv": torchrun, "env": env, "grace_s": SHUTDOWN_GRACE_S}
+    if not cluster.image:
+        return {"argv": [node.python, "-m", "dtrain.common.launch", *torchrun], "env": env, "grace_s": SHUTDOWN_GRACE_S}
+    named = dict(paths or {})
+    builtin = [[f"runs/{run_id}", f"/runs/{run_id}", "rw"], *map(list, CONTAINER_MOUNTS)]
+    # A path the user named wins over a built-in mount at the same place (docker refuses duplicates).
+    mounts = [m for m in builtin if m[1] not in named] + [[p, p, mode] for p, mode in sorted(named.items())]
+    container = {
+        "image": cluster.image,
+        "name": container_name(run_id, node),
+        "docker": shlex.split(node.docker),
+        "workdir": "../..",  # the agent runs in <workdir>/runs/<run id>
+        "cwd": f"/runs/{run_id}",
+        "mounts": mounts,
+        "gpus": gpus > 0,
+        "args": torchrun,
+    }
+    return {"argv": None, "env": env, "grace_s": SHUTDOWN_GRACE_S, "container": container}
+
+
+def container_name(run_id: str, node: Node) -> str:
+    """dtrain-<run>-<node>: what the agent (and a person) stops the job's container by."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", f"dtrain-{run_id}-{node.name}")
+
+
+def node_paths(args: dict[str, Any], run_url: str) -> dict[str, str]:
+    """Absolute paths the workload's arguments name (data, model, a shared-filesystem output), to be
+    mounted at the same place in the container: path -> "ro" | "rw"."""
+    out: dict[str, str] = {}
+    for key, mode in PATH_ARGS.items():
+        value = args.get(key)
+        if isinstance(value, str) and value.startswith("/") and not is_remote(value):
+            out[value.rstrip("/") or "/"] = mode
+    resume = args.get("resume")
+    if isinstance(resume, str) and resume.startswith("/") and not is_remote(run_url):
+        out[str(Path(resume).parent)] = "rw"
+    return out
 
 
 class LogFiles:
@@ -475,8 +624,10 @@ def launch_cluster(
     output: str,
     resumed: Store | None,
     accept_new_host_keys: bool,
+    image: str = "",
 ) -> tuple[int, Store, str]:
-    """Run the job on every node; returns (exit code, run directory, run id)."""
+    """Run the job on every node; returns (exit code, run directory, run id). `image` (or the cluster's):
+    container mode."""
     from dtrain.cli.launcher import _outcome, auto_nproc, run_target
     from dtrain.common.config import to_argv
 
@@ -486,7 +637,11 @@ def launch_cluster(
             f"a run on {len(cluster.nodes)} nodes needs --output that every node reaches: a gs://bucket/prefix "
             f"(or set shared_fs = true in [clusters.{cluster.name}] if {output} is a shared filesystem)"
         )
-    archive, digest = code_archive()
+    if image:
+        from dtrain.cli.cluster import check_image
+
+        cluster = dataclasses.replace(cluster, image=check_image(image, "--image"))
+    archive, digest = agent_archive() if cluster.image else code_archive()
     logs = LogFiles(run_id)
     with SSH(cluster, accept_new_host_keys=accept_new_host_keys) as ssh:
         attempt = 0
@@ -495,7 +650,14 @@ def launch_cluster(
             ssh.connect_all()
             if attempt == 0:
                 sync_code(ssh, run_id, archive)
-            infos = node_infos(ssh, run_id)
+                if cluster.image:
+                    check_docker(ssh)
+                    pulled_s = pull_image(ssh, cluster.image)
+                    console.out.print(
+                        f"pulled [cyan]{cluster.image}[/] on {len(cluster.nodes)} node(s) in {pulled_s:.1f} s",
+                        highlight=False,
+                    )
+            infos = node_infos(ssh, run_id, container=bool(cluster.image))
             check_port(ssh, run_id, cluster.master, cluster.rdzv_port, cluster.nodes[1:], "rendezvous")
             m = infos[cluster.master.name]
             n = nproc or auto_nproc(m.gpus, m.cpus)
@@ -509,14 +671,17 @@ def launch_cluster(
                     threads=max(1, infos[node.name].cpus // n),
                     max_restarts=0,  # dtrain relaunches the whole job instead (see below)
                     argv=to_argv(args),
+                    gpus=max(infos[node.name].gpus, node.gpus),
+                    paths=node_paths(args, run.url),
                 )
                 for node in cluster.nodes
             }
             verb = "resuming" if resumed is not None or attempt else "starting"
             console.out.print(
                 f"{verb} [bold]{workload}[/] run [cyan]{run_id}[/] on cluster [bold]{cluster.name}[/]: "
-                f"{len(cluster.nodes)} node(s) x {n} process(es), torch {m.torch}, code {digest} "
-                f"(ready in {time.monotonic() - t0:.1f} s)",
+                f"{len(cluster.nodes)} node(s) x {n} process(es), "
+                + (f"image {cluster.image} " if cluster.image else f"torch {m.torch}, code {digest} ")
+                + f"(ready in {time.monotonic() - t0:.1f} s)",
                 highlight=False,
             )
             job = Job(ssh, cluster, run_id, specs, logs)

@@ -6,6 +6,11 @@ until a job starts, so `info` also works where torch is missing and says so.
     python -m dtrain.common.nodeagent connect --to HOST:PORT [--to ...] [--timeout S]
     python -m dtrain.common.nodeagent run                       a job: its spec as one JSON line on stdin
 
+In container mode (the spec has a "container" table) `run` starts `docker run --rm --name <name> ... IMAGE
+<torchrun args>` instead, with the job's environment passed as `-e NAME` (the values sit in the
+environment of the docker client process, never on its command line), and stops the container by name
+(`docker kill`, `docker rm -f`), so no container outlives the agent either.
+
 `run` starts the spec's argv (torchrun through dtrain.common.launch) in a session of its own, with
 its output going straight to SSH, then reads stdin for control lines: INT, TERM or KILL is sent to
 the job's whole process tree. When stdin closes (the launcher went away, or its SSH connection
@@ -50,7 +55,9 @@ def info(workdir: str) -> dict[str, Any]:
     try:
         import torch
     except ImportError as e:
+        # Container mode needs no torch here: count the GPUs the way the container will see them.
         out["torch"], out["torch_error"] = None, str(e)
+        out["gpus"] = smi_gpus()
         return out
     out["torch"] = torch.__version__
     out["cuda"] = torch.version.cuda
@@ -62,6 +69,24 @@ def info(workdir: str) -> dict[str, Any]:
     out["gpus"] = gpus
     out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if gpus else None
     return out
+
+
+def smi_gpus() -> list[dict[str, Any]]:
+    """GPUs as nvidia-smi lists them (no torch needed); [] without nvidia-smi or a driver."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return []
+    query = ["--query-gpu=name,memory.free,memory.total", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run([smi, *query], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+            gpus.append({"name": parts[0], "free_bytes": int(parts[1]) << 20, "total_bytes": int(parts[2]) << 20})
+    return gpus
 
 
 def listen(addr: str, ports: list[int], seconds: float) -> int:
@@ -147,11 +172,101 @@ def signal_tree(pid: int, sig: int, *, only_root: bool = False) -> None:
             os.kill(p, sig)
 
 
+def container_argv(c: dict[str, Any], env_names: list[str], workdir: Path, uid: int, gid: int) -> list[str]:
+    """`docker run` for the container spec `c` (see the module docstring). Mount sources relative to the
+    node's workdir are made absolute here; the job's environment goes by name only."""
+    argv = [*c["docker"], "run", "--rm", "--name", c["name"], "--init", "--network", "host"]
+    argv += ["--ipc", "host"] if c.get("ipc_host", True) else ["--shm-size", c.get("shm_size", "8g")]
+    if c.get("gpus"):
+        argv += ["--gpus", "all"]
+    if uid != 0:
+        # Files on the mounted volumes belong to the node's user, as in synced mode. As root, the image's
+        # own (non-root) user runs, and the run's directories are handed to it (prepare_mounts).
+        argv += ["--user", f"{uid}:{gid}", "-e", "HOME=/tmp"]
+    for src, dst, mode in c.get("mounts", []):
+        path = Path(os.path.expanduser(src))
+        path = path if path.is_absolute() else workdir / path
+        argv += ["-v", f"{path}:{dst}:{mode}"]
+    if c.get("cwd"):
+        argv += ["-w", c["cwd"]]
+    for name in env_names:
+        argv += ["-e", name]
+    return [*argv, c["image"], *c["args"]]
+
+
+def prepare_mounts(c: dict[str, Any], workdir: Path, uid: int) -> None:
+    """Create the writable mount sources under the workdir; as root, give them to the image's user."""
+    owner = None
+    if uid == 0:
+        p = subprocess.run(
+            [*c["docker"], "image", "inspect", "--format", "{{.Config.User}}", c["image"]],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        user = p.stdout.strip().split(":")
+        if p.returncode == 0 and user[0].isdigit():
+            owner = (int(user[0]), int(user[1]) if len(user) > 1 and user[1].isdigit() else int(user[0]))
+    for src, _dst, mode in c.get("mounts", []):
+        path = Path(os.path.expanduser(src))
+        if path.is_absolute():
+            continue  # a path the user named: theirs to provide
+        path = workdir / path
+        path.mkdir(parents=True, exist_ok=True)
+        if owner is not None and mode == "rw":
+            with contextlib.suppress(OSError):
+                os.chown(path, *owner)
+
+
+def docker_quiet(c: dict[str, Any], *args: str) -> int:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        return subprocess.run(
+            [*c["docker"], *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60, check=False
+        ).returncode
+    return -1
+
+
+def run_container(spec: dict[str, Any]) -> int:
+    """The job in a container: started with `docker run`, signalled and removed by name."""
+    c, grace = spec["container"], float(spec.get("grace_s", DEFAULT_GRACE_S))
+    workdir = Path(c.get("workdir") or ".").expanduser().resolve()
+    uid, gid = os.getuid(), os.getgid()
+    docker_quiet(c, "rm", "--force", c["name"])  # a container left by an earlier attempt of this run
+    prepare_mounts(c, workdir, uid)
+    env = {**os.environ, **spec.get("env", {})}
+    argv = container_argv(c, sorted(spec.get("env", {})), workdir, uid, gid)
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)
+    done = threading.Event()
+
+    def kill(sig: str) -> None:
+        if docker_quiet(c, "kill", "--signal", sig, c["name"]) != 0 and sig == "KILL":
+            signal_tree(proc.pid, signal.SIGKILL)  # no container (yet): stop the client creating it
+
+    def watch_stdin() -> None:
+        for raw in sys.stdin:
+            word = raw.strip()
+            if word in SIGNALS:
+                kill(word)
+        if not done.is_set():  # stdin closed: the launcher is gone. Stop the container, then make sure.
+            kill("TERM")
+            deadline = time.monotonic() + grace
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            kill("KILL")
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    print(CONTROL_PREFIX + json.dumps({"event": "started", "pid": proc.pid, "container": c["name"]}), flush=True)
+    code = proc.wait()
+    done.set()
+    docker_quiet(c, "rm", "--force", c["name"])  # --rm does it when the container ran; this covers the rest
+    return code if code >= 0 else 128 - code
+
+
 def run() -> int:
     line = sys.stdin.readline()
     if not line:
         return 2
     spec = json.loads(line)
+    if spec.get("container"):
+        return run_container(spec)
     grace = float(spec.get("grace_s", DEFAULT_GRACE_S))
     env = {**os.environ, **spec.get("env", {})}
     proc = subprocess.Popen(spec["argv"], env=env, cwd=spec.get("cwd") or None, start_new_session=True)

@@ -1,0 +1,111 @@
+"""Container mode without Docker: the `docker run` line the node agent builds (secrets by name only, mounts,
+GPUs, the user), the job spec the launcher sends, the inventory's `image` and `docker` keys, and --image's
+errors. The real runs are in test_container_mode.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from runs import cli, isolated_env
+
+from dtrain.cli.cluster import Cluster, Node, hosts_cluster
+from dtrain.cli.remote import container_name, job_spec, node_paths
+from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.nodeagent import container_argv
+
+
+def cluster(image: str = "reg.example/p/dtrain-train:src-0123456789ab") -> Cluster:
+    nodes = (
+        Node(name="n0", address="10.0.0.10", master=True, interface="eth1", docker="sudo docker"),
+        Node(name="n1", address="10.0.0.11", gpus=2),
+    )
+    return Cluster(name="lab", backend="hosts", nodes=nodes, env={"NCCL_DEBUG": "WARN"}, image=image)
+
+
+def spec(node: int, *, gpus: int = 0, paths: dict[str, str] | None = None, **kw) -> dict:
+    c = cluster(**kw)
+    return job_spec(c, c.nodes[node], module="dtrain.mnist.train", run_id="mnist-20260101-000000-abcd", nproc=2,
+                    threads=4, max_restarts=0, argv=["--epochs", "1"], gpus=gpus, paths=paths)  # fmt: skip
+
+
+def test_job_spec_in_container_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    s = spec(0, paths={"/data/fmnist": "ro"})
+    c = s["container"]
+    assert s["argv"] is None and s["env"]["HF_TOKEN"] == "hf_secret_value"
+    assert c["image"] == "reg.example/p/dtrain-train:src-0123456789ab"
+    assert c["name"] == "dtrain-mnist-20260101-000000-abcd-n0" and c["docker"] == ["sudo", "docker"]
+    # torchrun's own arguments: the image's entry point is torchrun (dtrain.common.launch).
+    assert c["args"][:2] == ["--nnodes", "2"] and c["args"][-4:] == ["-m", "dtrain.mnist.train", "--epochs", "1"]
+    assert "--local-addr" in c["args"] and "10.0.0.10" in c["args"] and "is_host=1,join_timeout=120" in c["args"]
+    assert c["cwd"] == "/runs/mnist-20260101-000000-abcd"
+    assert ["runs/mnist-20260101-000000-abcd", "/runs/mnist-20260101-000000-abcd", "rw"] in c["mounts"]
+    assert ["/data/fmnist", "/data/fmnist", "ro"] in c["mounts"] and ["hf-cache", "/hf-cache", "rw"] in c["mounts"]
+    assert c["gpus"] is False and spec(1, gpus=2)["container"]["gpus"] is True
+    # Synced mode is unchanged: the node's python runs torchrun from the synced code.
+    synced = spec(0, image="")
+    assert "container" not in synced and synced["argv"][:3] == ["python3", "-m", "dtrain.common.launch"]
+    assert synced["argv"][3:] == c["args"]
+
+
+def test_docker_run_line_carries_secrets_by_name_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    s = spec(1, gpus=2, paths={"/srv/data": "ro"})
+    argv = container_argv(s["container"], sorted(s["env"]), tmp_path, 1001, 1002)
+    line = " ".join(argv)
+    assert "hf_secret_value" not in line
+    assert argv[:9] == ["docker", "run", "--rm", "--name", "dtrain-mnist-20260101-000000-abcd-n1", "--init",
+                        "--network", "host", "--ipc"]  # fmt: skip
+    assert "--gpus all" in line and "--user 1001:1002" in line
+    assert "-e HF_TOKEN" in line and "-e NCCL_DEBUG" in line and "-e OMP_NUM_THREADS" in line
+    assert f"-v {tmp_path}/runs/mnist-20260101-000000-abcd:/runs/mnist-20260101-000000-abcd:rw" in line
+    assert f"-v {tmp_path}/cache:/cache:rw" in line and "-v /srv/data:/srv/data:ro" in line
+    assert argv[argv.index("reg.example/p/dtrain-train:src-0123456789ab") + 1 :] == s["container"]["args"]
+    # As root on the node, the image's own non-root user runs (no --user).
+    assert "--user" not in container_argv(s["container"], [], tmp_path, 0, 0)
+
+
+def test_named_paths_replace_builtin_mounts() -> None:
+    c = spec(0, paths={"/data": "ro"})["container"]
+    assert [m for m in c["mounts"] if m[1] == "/data"] == [["/data", "/data", "ro"]]
+    assert node_paths({"data_dir": "/d", "output": "gs://b/runs", "model": "tiny-llama"}, "gs://b/runs/x") == {
+        "/d": "ro"
+    }
+    assert node_paths({"output": "/nfs/runs"}, "/nfs/runs/x") == {"/nfs/runs": "rw"}
+    assert container_name("run:1", Node(name="n/0", address="1.2.3.4")) == "dtrain-run-1-n-0"
+
+
+def test_inventory_image_and_docker_keys(tmp_path: Path) -> None:
+    nodes = [{"name": "a", "address": "10.0.0.1"}, {"name": "b", "address": "10.0.0.2", "docker": "podman"}]
+    spec_ = {"image": "reg.example/p/img:1", "docker": "sudo docker", "nodes": nodes}
+    c = hosts_cluster("lab", spec_, "dtrain.toml", tmp_path)
+    assert c.image == "reg.example/p/img:1" and [n.docker for n in c.nodes] == ["sudo docker", "podman"]
+    with pytest.raises(UserError, match="image 'Not An Image' is not an image reference"):
+        hosts_cluster("lab", {**spec_, "image": "Not An Image"}, "dtrain.toml", tmp_path)
+
+
+def test_image_needs_a_cluster(tmp_path: Path) -> None:
+    r = cli(tmp_path, "train", "mnist", "--image", "reg.example/p/img:1", env=isolated_env(tmp_path))
+    assert r.code == ExitCode.USAGE
+    assert r.error_line() == (
+        "error: --image runs the job in containers on a cluster's nodes: add --cluster NAME (a hosts or gcp "
+        "cluster); on this machine use `docker compose --profile cpu up` or docker run (see compose.yaml)"
+    )
+
+
+def test_healthcheck_reads_the_process_table() -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "docker" / "healthcheck.py"
+    mod_spec = importlib.util.spec_from_file_location("dtrain_healthcheck", path)
+    hc = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(hc)
+    launcher = "/opt/venv/bin/python3 -m dtrain.common.launch --nnodes=2 -m dtrain.mnist.train"
+    worker = "/opt/venv/bin/python3 -u -m dtrain.mnist.train --epochs 1"
+    assert hc.check({1: (0, "S", "docker-init --"), 7: (1, "S", launcher), 9: (7, "R", worker)}) == (
+        True,
+        "torchrun running with 1 worker(s)",
+    )
+    assert hc.check({1: (0, "S", "docker-init --"), 7: (1, "S", launcher), 9: (7, "Z", worker)})[0] is False
+    assert hc.check({1: (0, "S", "docker-init --")}) == (False, "torchrun (dtrain.common.launch) is not running")
