@@ -66,6 +66,7 @@ class Node:
     workdir: str = "dtrain"  # per-run directories go under it; relative to the SSH user's home
     interface: str = ""  # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME for this node
     ssh_host: str = ""  # where to SSH to when it is not `address` (a public IP, a ~/.ssh/config alias)
+    docker: str = "docker"  # the Docker CLI on the node (container mode), e.g. "sudo docker"
 
     @property
     def destination(self) -> str:
@@ -86,6 +87,9 @@ class Cluster:
     known_hosts: Path = dataclasses.field(default_factory=lambda: default_known_hosts())
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # set for the job on every node
     shared_fs: bool = False  # --output is a path every node sees (NFS): no gs:// needed
+    default_output: str = ""  # where runs go when --output is not given (gcp: the cluster's bucket)
+    image: str = ""  # container mode: every node runs the job in this image (docker run); "": synced mode
+    needs_image: bool = False  # the nodes have no Python with torch: synced mode cannot work
 
     @property
     def master(self) -> Node:
@@ -115,7 +119,8 @@ def default_known_hosts() -> Path:
 NODE_KEYS = {f.name: f for f in dataclasses.fields(Node)}
 NODE_TYPES = typing.get_type_hints(Node)
 NODE_DEFAULT_KEYS = set(NODE_KEYS) - {"name", "address", "master", "ssh_host"}
-CLUSTER_KEYS = {"rdzv_port", "rdzv_timeout", "known_hosts", "env", "shared_fs", "nodes"}
+CLUSTER_KEYS = {"rdzv_port", "rdzv_timeout", "known_hosts", "env", "shared_fs", "nodes", "image"}
+IMAGE_RE = re.compile(r"^[a-z0-9][a-z0-9._:/@-]*[A-Za-z0-9_.-]$|^[a-z0-9]$")
 HOSTS_KEYS = NODE_DEFAULT_KEYS | CLUSTER_KEYS | {"inventory"}
 
 
@@ -183,6 +188,7 @@ def _build_cluster(name: str, backend: str, spec: Mapping[str, Any], where: str,
         if not ENV_NAME_RE.match(k) or not isinstance(v, (str, int, float)) or isinstance(v, bool):
             raise UserError(f"{where}: env.{k} must be a variable name with a string value")
     shared_fs = _typed(spec.get("shared_fs", False), bool, "shared_fs", where)
+    image = check_image(_typed(spec.get("image", ""), str, "image", where), where) if spec.get("image") else ""
     return Cluster(
         name=name,
         backend=backend,
@@ -192,7 +198,18 @@ def _build_cluster(name: str, backend: str, spec: Mapping[str, Any], where: str,
         known_hosts=known_path,
         env={k: str(v) for k, v in env.items()},
         shared_fs=shared_fs,
+        image=image,
     )
+
+
+def check_image(image: str, where: str) -> str:
+    """A Docker image reference (REGISTRY/PATH:TAG or @sha256:...), as `docker pull` takes it."""
+    if not IMAGE_RE.match(image) or "//" in image:
+        raise UserError(
+            f"{where}: image {image!r} is not an image reference: expected e.g. "
+            "us-central1-docker.pkg.dev/PROJECT/REPO/dtrain-train:src-0123456789ab (dtrain build prints it)"
+        )
+    return image
 
 
 def _node(i: int, raw: Mapping[str, Any], where: str, base_dir: Path) -> Node:
@@ -286,7 +303,64 @@ def resolve(cfg: Any) -> Cluster:
     if backend == "hosts":
         src = cfg.source or "dtrain.toml"
         return hosts_cluster(cfg.name, cfg.spec, src, Path(src).resolve().parent)
-    raise UserError(
-        f"cluster {cfg.name!r} uses the {backend} backend, which this version of dtrain cannot launch yet: "
-        "use a hosts cluster, or drop --cluster to train on this machine"
+    if backend == "gcp":
+        src = cfg.source or "dtrain.toml"
+        return gcp_cluster(cfg.name, cfg.spec, src)
+    raise UserError(f"cluster {cfg.name!r}: unknown backend {backend!r}")
+
+
+def _built_image(name: str) -> str:
+    """The image `dtrain build --cluster NAME` last pushed for this cluster, or ""."""
+    from dtrain.cli.record import cluster_dir
+
+    try:
+        return (cluster_dir(name) / "image").read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
+# A record's node may also set these (an image whose Python is elsewhere, a second NIC for NCCL).
+RECORD_NODE_OVERRIDES = ("python", "workdir", "interface")
+
+
+def gcp_cluster(name: str, spec: Mapping[str, Any], src: str) -> Cluster:
+    """The `gcp` backend: the nodes `dtrain up` recorded from Terraform's `cluster` output."""
+    from dtrain.cli.gcp_config import gcp_spec
+    from dtrain.cli.record import cluster_dir, key_path, read_record
+
+    where = f"{src} [clusters.{name}]"
+    gs = gcp_spec(name, spec, where)
+    rec = read_record(name)
+    if rec is None:
+        raise UserError(f"cluster {name!r} is not up (no record of it on this machine): run dtrain up --cluster {name}")
+    key = key_path(name)
+    if not key.is_file():
+        raise UserError(f"cluster {name!r}: its SSH key {key} is missing: run dtrain up --cluster {name} again")
+    nodes = tuple(
+        Node(
+            name=n["name"],
+            address=n["internal_ip"],
+            ssh_host=n["external_ip"] or n["internal_ip"],
+            user=rec["ssh_user"],
+            key=str(key),
+            gpus=n["gpus"],
+            master=n["role"] == "master",
+            **{k: n[k] for k in RECORD_NODE_OVERRIDES if n.get(k)},
+        )
+        for n in sorted(rec["nodes"], key=lambda n: n["role"] != "master")
+    )
+    image = check_image(gs.image, where) if gs.image else _built_image(name)
+    return Cluster(
+        name=name,
+        backend="gcp",
+        image=image,
+        nodes=nodes,
+        rdzv_port=gs.rdzv_port,
+        rdzv_timeout=gs.rdzv_timeout,
+        known_hosts=cluster_dir(name) / "known_hosts",
+        env=dict(gs.env),
+        default_output=f"{rec['bucket'].rstrip('/')}/runs",
+        # infra/'s images have Docker but no torch: jobs run from an image, unless the record names
+        # a Python for the nodes (nodes prepared by hand, or the tests' stand-in).
+        needs_image=not any(n.get("python") for n in rec["nodes"]),
     )

@@ -18,7 +18,7 @@ Output = Annotated[
 ]
 Cluster = Annotated[
     str | None,
-    typer.Option("--cluster", help="a [clusters.NAME] from dtrain.toml (default: this machine)", show_default=False),
+    typer.Option("--cluster", help="a \\[clusters.NAME] from dtrain.toml (default: this machine)", show_default=False),
 ]
 RunId = Annotated[
     str | None, typer.Option("--run-id", help="name the run (default: <workload>-<utc time>-<hex>)", show_default=False)
@@ -40,6 +40,14 @@ CheckpointEvery = Annotated[
 ]
 MaxRestarts = Annotated[
     int | None, typer.Option("--max-restarts", help="torchrun restarts of failed workers", show_default=False)
+]
+Image = Annotated[
+    str | None,
+    typer.Option(
+        "--image",
+        help="run in this Docker image on every node of the cluster (see dtrain build; default: the cluster's image)",
+        show_default=False,
+    ),
 ]
 DataDir = Annotated[Path | None, typer.Option("--data-dir", help="directory with the data files", show_default=False)]
 Json = Annotated[bool, typer.Option("--json", help="machine-readable output")]

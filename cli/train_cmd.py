@@ -47,6 +47,7 @@ def mnist(
     checkpoint_every: o.CheckpointEvery = None,
     max_restarts: o.MaxRestarts = None,
     accept_new_host_keys: o.AcceptNewHostKeys = False,
+    image: o.Image = None,
 ) -> None:
     """Train a CNN on MNIST or Fashion-MNIST (IDX files), with DDP and resumable checkpoints."""
     flags = {
@@ -72,7 +73,7 @@ def mnist(
             max_restarts=max_restarts,
         ),
     }
-    console.state.exit_code = launch("mnist", flags, accept_new_host_keys=accept_new_host_keys)
+    console.state.exit_code = launch("mnist", flags, accept_new_host_keys=accept_new_host_keys, image=image)
 
 
 @app.command("lora")
@@ -141,6 +142,7 @@ def lora(
     checkpoint_every: o.CheckpointEvery = None,
     max_restarts: o.MaxRestarts = None,
     accept_new_host_keys: o.AcceptNewHostKeys = False,
+    image: o.Image = None,
 ) -> None:
     """LoRA fine-tuning of a causal LM (transformers + peft); the adapter lands in final/adapter."""
     flags = {
@@ -172,43 +174,65 @@ def lora(
             max_restarts=max_restarts,
         ),
     }
-    console.state.exit_code = launch("lora", flags, accept_new_host_keys=accept_new_host_keys)
+    console.state.exit_code = launch("lora", flags, accept_new_host_keys=accept_new_host_keys, image=image)
 
 
-def launch(workload: str, flags: dict[str, Any], *, accept_new_host_keys: bool = False) -> int:
-    """Resolve the settings and run `workload` where they say; returns the job's exit code."""
+def launch(
+    workload: str, flags: dict[str, Any], *, accept_new_host_keys: bool = False, image: str | None = None
+) -> int:
+    """Resolve the settings and run `workload` where they say; returns the job's exit code. `image`:
+    run in that Docker image on every node of the cluster (container mode)."""
     from dtrain.cli.launcher import plan_local, run_local
-    from dtrain.cli.settings import ClusterBackend, get_cluster, load_settings
+    from dtrain.cli.settings import DEFAULT, ClusterBackend, get_cluster, load_settings
     from dtrain.common.rundir import locate, read_json
 
     settings = load_settings(console.state.config_path, flags)
+    cluster_cfg = get_cluster(settings)
+    cluster = None
+    output = settings.run.output
+    if cluster_cfg.backend != ClusterBackend.LOCAL:
+        from dtrain.cli.cluster import resolve
+
+        cluster = resolve(cluster_cfg)
+        if cluster.needs_image and not (image or cluster.image):
+            raise UserError(
+                f"cluster {cluster.name!r} has no training image: run dtrain build --cluster {cluster.name} (it "
+                f'builds and pushes to the cluster\'s registry), or set image = "..." in [clusters.{cluster.name}], '
+                "or pass --image"
+            )
+        if cluster.default_output and settings.source("run.output") == DEFAULT:
+            output = cluster.default_output  # a gcp cluster's runs go to its bucket
     resumed = None
     if settings.run.resume:
         # The run's own config sits beneath the file, environment and flags.
-        resumed = locate(settings.run.output, settings.run.resume)
+        resumed = locate(output, settings.run.resume)
         saved = read_json(resumed, "config.json") or {}
         if saved.get("workload", workload) != workload:
             raise UserError(f"run {resumed.url} is a {saved['workload']} run: use `dtrain train {saved['workload']}`")
         flat = saved.get("config") or {}
         settings = load_settings(console.state.config_path, flags, saved=(f"{resumed.url}/config.json", workload, flat))
     settings.workload(workload)  # validate the whole workload config before starting anything
-    cluster_cfg = get_cluster(settings)
-    if cluster_cfg.backend != ClusterBackend.LOCAL:
-        from dtrain.cli.cluster import resolve
+    if cluster is not None:
         from dtrain.cli.remote import launch_cluster
 
         code, run, run_id = launch_cluster(
             workload,
             settings.explicit(workload),
-            cluster=resolve(cluster_cfg),
+            cluster=cluster,
             nproc=settings.launch.nproc,
             max_restarts=settings.launch.max_restarts,
-            output=settings.run.output,
+            output=output,
             resumed=resumed,
             accept_new_host_keys=accept_new_host_keys,
+            image=image or "",
         )
         _report(workload, run.url, run_id, code)
         return code
+    if image:
+        raise UserError(
+            "--image runs the job in containers on a cluster's nodes: add --cluster NAME (a hosts or gcp cluster); "
+            "on this machine use `docker compose --profile cpu up` or docker run (see compose.yaml)"
+        )
     plan = plan_local(
         workload,
         settings.explicit(workload),

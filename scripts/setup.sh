@@ -17,6 +17,10 @@ APT_PACKAGES=(
   dataset-fashion-mnist  # Fashion-MNIST as IDX files, for training offline and the tests
   # the multi-host test bed (scripts/testbed.py, tests/cluster): netns, bridge, sshd per host
   openssh-server openssh-client iproute2 iptables procps
+  shellcheck  # tests/infra: the GCP nodes' startup script (docker/node-startup.sh)
+  # tests/docker: a Docker engine, a locally made base image, compose (bookworm has v1 only) and a
+  # registry to push to and pull from
+  docker.io debootstrap docker-compose docker-registry
 )
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -40,4 +44,7 @@ echo "setup: pip install $TORCH_SPEC"
 .venv/bin/python -m pip install -q "$TORCH_SPEC"
 echo "setup: pip install -e .[dev,lora,tensorboard]"
 .venv/bin/python -m pip install -q -e ".[dev,lora,tensorboard]"
+# checkov (tests/infra) has its own virtualenv: it pins dozens of packages the dev extra also uses.
+echo "setup: checkov into .venv-tools"
+PYTHON="$PYTHON" bash scripts/infra-tools.sh >/dev/null
 echo "setup: done. Activate with: source .venv/bin/activate"

@@ -208,10 +208,12 @@ def test_run_id_of_an_existing_run_is_not_reused(tmp_path, tiny_data):
     assert (existing / "config.json").read_text() == '{"workload": "mnist"}'  # untouched
 
 
-def test_a_cluster_backend_this_version_cannot_launch(tmp_path):
+def test_a_gcp_cluster_that_is_not_up(tmp_path):
     (tmp_path / "dtrain.toml").write_text('[clusters.lab]\nbackend = "gcp"\n')
-    r = dtrain(tmp_path, *TRAIN, "--cluster", "lab")
-    assert r.error_line().startswith("error: cluster 'lab' uses the gcp backend, which this version of dtrain")
+    r = dtrain(tmp_path, *TRAIN, "--cluster", "lab", env=isolated_env(tmp_path, XDG_CONFIG_HOME=str(tmp_path / "cfg")))
+    assert r.error_line() == (
+        "error: cluster 'lab' is not up (no record of it on this machine): run dtrain up --cluster lab"
+    )
     assert r.code == ExitCode.USAGE
 
 

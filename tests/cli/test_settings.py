@@ -367,7 +367,10 @@ def test_unknown_cluster_is_only_an_error_when_asked_for(cwd):
 @pytest.mark.parametrize(
     ("toml", "message"),
     [
-        ('[clusters.gpu]\nbackend = "gcp"\nzone = "x"', "dtrain.toml: unknown key clusters.gpu.zone (known: backend)"),
+        (
+            '[clusters.gpu]\nbackend = "gcp"\nzones = "x"',
+            "dtrain.toml [clusters.gpu]: unknown key 'zones' (did you mean zone?)",
+        ),
         (
             '[clusters.gpu]\nbackends = "gcp"',
             "dtrain.toml: unknown key clusters.gpu.backends (did you mean clusters.gpu.backend?)",

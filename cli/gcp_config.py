@@ -1,0 +1,208 @@
+"""A gcp cluster's settings ([clusters.NAME] with backend = "gcp") and the tfvars they become.
+
+    [clusters.demo]
+    backend = "gcp"
+    project = "my-project"              # default: GOOGLE_CLOUD_PROJECT, then the ADC project
+    region = "us-central1"
+    zone = "us-central1-a"              # default: the first zone of the region that offers the GPU
+    workers = 1                         # worker VMs besides the master
+    use_gpu = true
+    accelerator = "nvidia-tesla-t4"     # or "nvidia-l4"
+    gpus_per_node = 1
+    spot = false
+    ssh_source_ranges = ["203.0.113.7/32"]   # who may SSH in (required)
+
+Every key, its type and default is in GCP_FIELDS below; `dtrain config show` lists the table as
+written, and `dtrain up` shows what it resolved to. Derivation (which machine type carries which
+GPU) and its validation live in Terraform (infra/modules/plan), not here, so that `terraform apply`
+users and `dtrain up` get the same answer; this module checks only what Terraform cannot tell the
+user in one line (types, names, an empty ssh_source_ranges).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import re
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dtrain.common.errors import UserError
+
+CLUSTER_NAME_RE = re.compile(r"^[a-z]([a-z0-9-]{0,18}[a-z0-9])?$")  # prefixes VM, network and SA names
+PROJECT_RE = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
+REGION_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
+ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
+LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
+ACCELERATORS = ("nvidia-tesla-t4", "nvidia-l4")  # infra/modules/plan has the table; it can grow
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GcpSpec:
+    name: str
+    project: str = ""
+    region: str = "us-central1"
+    zone: str = ""
+    workers: int = 1
+    use_gpu: bool = False  # as infra/variables.tf: new projects have no GPU quota; CPU nodes just work
+    accelerator: str = "nvidia-tesla-t4"
+    gpus_per_node: int = 1
+    machine_type: str = ""
+    spot: bool = False
+    disk_size_gb: int = 100
+    ssh_source_ranges: tuple[str, ...] = ()
+    allow_ssh_from_anywhere: bool = False
+    iap_ssh: bool = True
+    external_ip: bool = True
+    bucket: str = ""
+    bucket_lifecycle_days: int = 7
+    force_destroy: bool = False
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    ssh_user: str = "dtrain"
+    state_bucket: str = ""
+    ready_timeout: int = 900  # seconds `dtrain up` waits for every node to be ready
+    image: str = ""  # training image (container mode); default: the last `dtrain build --cluster NAME`
+    # Launcher keys shared with hosts clusters
+    rdzv_port: int = 29400
+    rdzv_timeout: int = 120
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def nodes(self) -> int:
+        return 1 + self.workers
+
+    def bucket_name(self, project: str) -> str:
+        return self.bucket or f"{project}-dtrain-{self.name}"
+
+    def state_bucket_name(self, project: str) -> str:
+        return self.state_bucket or f"{project}-dtrain-tfstate"
+
+
+GCP_FIELDS = {f.name: f for f in dataclasses.fields(GcpSpec) if f.name != "name"}
+GCP_KEYS = set(GCP_FIELDS) | {"backend"}
+_TYPES = typing.get_type_hints(GcpSpec)
+
+
+def gcp_spec(name: str, spec: Mapping[str, Any], where: str) -> GcpSpec:
+    """Check a [clusters.NAME] table of backend gcp; one line naming the key for each mistake."""
+    from dtrain.cli.cluster import check_keys
+
+    check_keys(spec, GCP_KEYS, where)
+    if not CLUSTER_NAME_RE.match(name):
+        raise UserError(
+            f"{where}: a gcp cluster's name must be 1-20 lowercase letters, digits or '-', starting with a letter "
+            f"(it prefixes VM and network names), got {name!r}"
+        )
+    values: dict[str, Any] = {}
+    for key, raw in spec.items():
+        if key == "backend":
+            continue
+        values[key] = _typed(key, raw, where)
+    s = GcpSpec(name=name, **values)
+    _check(s, where)
+    return s
+
+
+def _typed(key: str, raw: Any, where: str) -> Any:
+    tp = _TYPES[key]
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
+            raise UserError(f"{where}: {key} must be a list of strings, got {raw!r}")
+        return tuple(raw)
+    if tp is Mapping[str, str] or origin in (Mapping, dict):
+        if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
+            raise UserError(f'{where}: {key} must be a table of name = "value", got {raw!r}')
+        return dict(raw)
+    if tp is bool:
+        if not isinstance(raw, bool):
+            raise UserError(f"{where}: {key} must be true or false, got {raw!r}")
+        return raw
+    if tp is int:
+        if not isinstance(raw, int) or isinstance(raw, bool):
+            raise UserError(f"{where}: {key} must be an integer, got {raw!r}")
+        return raw
+    if not isinstance(raw, str):
+        raise UserError(f"{where}: {key} must be a string, got {raw!r}")
+    return raw
+
+
+def _check(s: GcpSpec, where: str) -> None:
+    if s.project and not PROJECT_RE.match(s.project):
+        raise UserError(f"{where}: project {s.project!r} is not a project id (6-30 lowercase letters, digits, '-')")
+    if not REGION_RE.match(s.region):
+        raise UserError(f"{where}: region {s.region!r} is not a region name like us-central1")
+    if s.zone and (not ZONE_RE.match(s.zone) or not s.zone.startswith(s.region + "-")):
+        raise UserError(f"{where}: zone {s.zone!r} is not a zone of region {s.region} (like {s.region}-a)")
+    if not 0 <= s.workers <= 64:
+        raise UserError(f"{where}: workers must be 0-64, got {s.workers}")
+    if s.accelerator not in ACCELERATORS:
+        raise UserError(f"{where}: accelerator must be one of {', '.join(ACCELERATORS)}, got {s.accelerator!r}")
+    if s.use_gpu and s.gpus_per_node < 1:
+        raise UserError(f"{where}: gpus_per_node must be >= 1 with use_gpu = true, got {s.gpus_per_node}")
+    if not 20 <= s.disk_size_gb <= 65536:
+        raise UserError(f"{where}: disk_size_gb must be 20-65536, got {s.disk_size_gb}")
+    for cidr in s.ssh_source_ranges:
+        try:
+            net = ipaddress.ip_network(cidr, strict=True)
+        except ValueError as e:
+            raise UserError(f"{where}: ssh_source_ranges: {cidr!r} is not a CIDR range ({e})") from None
+        if net.prefixlen == 0 and not s.allow_ssh_from_anywhere:
+            raise UserError(
+                f"{where}: ssh_source_ranges contains {cidr}, which opens SSH to the whole internet: "
+                'list your own address (e.g. "203.0.113.7/32"), or set allow_ssh_from_anywhere = true'
+            )
+    if s.bucket_lifecycle_days < 1:
+        raise UserError(f"{where}: bucket_lifecycle_days must be >= 1, got {s.bucket_lifecycle_days}")
+    for k, v in s.labels.items():
+        if not LABEL_RE.match(k) or not LABEL_VALUE_RE.match(v):
+            raise UserError(f"{where}: label {k} = {v!r}: keys and values must be lowercase letters, digits, _ or -")
+    if "dtrain-cluster" in s.labels:
+        raise UserError(f"{where}: the label dtrain-cluster is set by dtrain (to the cluster's name)")
+    if not 1 <= s.rdzv_port <= 65535:
+        raise UserError(f"{where}: rdzv_port must be 1-65535, got {s.rdzv_port}")
+    if s.ready_timeout < 60:
+        raise UserError(f"{where}: ready_timeout must be at least 60 seconds, got {s.ready_timeout}")
+
+
+def tfvars(s: GcpSpec, *, project: str, zone: str, ssh_public_key: str) -> dict[str, Any]:
+    """The variables of infra/ for this cluster (the names are infra/variables.tf's)."""
+    if not s.ssh_source_ranges and not s.allow_ssh_from_anywhere:
+        raise UserError(
+            f"[clusters.{s.name}]: set ssh_source_ranges to the addresses you SSH from, e.g. "
+            'ssh_source_ranges = ["203.0.113.7/32"] (your public address: curl -s https://checkip.amazonaws.com)'
+        )
+    return {
+        "project_id": project,
+        "region": s.region,
+        "zone": zone,
+        "cluster_name": s.name,
+        "worker_count": s.workers,
+        "use_gpu": s.use_gpu,
+        "accelerator_type": s.accelerator,
+        "gpus_per_node": s.gpus_per_node,
+        "machine_type": s.machine_type,
+        "spot": s.spot,
+        "disk_size_gb": s.disk_size_gb,
+        "ssh_source_ranges": list(s.ssh_source_ranges) or ["0.0.0.0/0"],
+        "allow_ssh_from_anywhere": s.allow_ssh_from_anywhere,
+        "iap_ssh": s.iap_ssh,
+        "external_ip": s.external_ip,
+        "bucket_name": s.bucket_name(project),
+        "bucket_lifecycle_days": s.bucket_lifecycle_days,
+        "force_destroy": s.force_destroy,
+        "labels": dict(s.labels),
+        "ssh_user": s.ssh_user,
+        "ssh_public_key": ssh_public_key,
+    }
+
+
+def write_tfvars(values: Mapping[str, Any], path: Path) -> Path:
+    """JSON tfvars (Terraform reads *.tfvars.json): no quoting rules of our own to get wrong."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.write_text(json.dumps(dict(values), indent=2, sort_keys=True) + "\n")
+    return path

