@@ -117,3 +117,16 @@ def test_gcp_cluster_table_rejects_hosts_keys(config_home, tmp_path, monkeypatch
     (tmp_path / "dtrain.toml").write_text('[clusters.demo]\nbackend = "gcp"\ninventory = "hosts.toml"\n')
     with pytest.raises(UserError, match="unknown key 'inventory'"):
         load_settings(None, {})
+
+
+def test_dtrain_build_makes_its_push_the_clusters_default_image(config_home):
+    from dtrain.cli.build_cmd import remember_image
+    from dtrain.cli.record import cluster_dir
+
+    ref = "us-central1-docker.pkg.dev/proj-123456/dtrain-demo/dtrain-train-gpu@sha256:" + "b" * 64
+    assert not remember_image("demo", ref, gpu=True)  # no record: not a cluster dtrain up made
+    write_record(copy.deepcopy(RECORD))  # its nodes have GPUs
+    assert not remember_image("demo", ref.replace("-gpu", ""), gpu=False)  # a CPU image for GPU nodes: no
+    assert not (cluster_dir("demo") / "image").exists()
+    assert remember_image("demo", ref, gpu=True)
+    assert (cluster_dir("demo") / "image").read_text().strip() == ref
