@@ -484,11 +484,13 @@ def preflight(
             f"zone {zone} is not a zone of {region} that is up (zones: {', '.join(region_zones) or 'none'}): "
             f"set zone = one of them"
         )
-    if not accelerator or gpus_total <= 0:
+    if not accelerator:
         report.zones = ([zone] if zone in region_zones else []) + [z for z in region_zones if z != zone]
         return report
 
-    per_vm = gpus_per_instance or math.ceil(gpus_total / max(instances, 1))
+    # Checked even when this run adds no GPU (an update of a cluster that is up): the zone must still
+    # offer the accelerator, with as many cards per VM as the nodes carry.
+    per_vm = gpus_per_instance or max(1, math.ceil(gpus_total / max(instances, 1)))
     offered = _accelerator_zones(gcp, accelerator, region_zones)  # zone -> maximumCardsPerInstance
     fits = sorted(z for z, cards in offered.items() if cards >= per_vm)
     report.zones = ([zone] if zone in fits else []) + [z for z in fits if z != zone]

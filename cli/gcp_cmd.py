@@ -96,21 +96,24 @@ def _derive(ctx: Context, zone: str) -> dict[str, Any]:
 _PLACEHOLDER_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOCq6lYDCi2DbDjX7yU6Ac7nDnmrMYeBv3I2cLxGdGJk dtrain-plan"
 
 
-def _preflight(ctx: Context, derived: dict[str, Any], zone: str) -> Any:
+def _preflight(ctx: Context, derived: dict[str, Any], zone: str, existing: int = 0) -> Any:
+    """Quota for the nodes this run adds: `existing` nodes of the cluster already count in usage."""
     from dtrain.cli.gcp import preflight
     from dtrain.cli.prices import vcpus
 
     s = ctx.spec
+    new = max(0, s.nodes - existing)
     per_node_cpus = vcpus(derived["machine_type"]) or 0
     return preflight(
         ctx.api,
         s.region,
         zone,
         s.accelerator if s.use_gpu else None,
-        gpus_total=derived["gpus"] * s.nodes if s.use_gpu else 0,
-        cpus_total=per_node_cpus * s.nodes,
+        gpus_total=derived["gpus"] * new if s.use_gpu else 0,
+        cpus_total=per_node_cpus * new,
         spot=s.spot,
-        instances=s.nodes,
+        instances=new,
+        gpus_per_instance=derived["gpus"] or None,
     )
 
 
@@ -154,15 +157,22 @@ def up(
 ) -> None:
     """Create (or update) a gcp cluster with Terraform, and wait until every node is ready."""
     from dtrain.cli.gcp_config import tfvars, write_tfvars
-    from dtrain.cli.record import cluster_dir, write_record
+    from dtrain.cli.record import cluster_dir, read_record, write_record
 
     ctx = gcp_context(cluster)
     s = ctx.spec
-    zone = s.zone or f"{s.region}-a"
+    rec = read_record(s.name)  # an update of a cluster that is up: it stays in its zone
+    zone = rec["zone"] if rec else (s.zone or f"{s.region}-a")
+    if rec and s.zone and s.zone != zone:
+        console.out.print(
+            f"[yellow]cluster {s.name} is up in {zone}, not {s.zone} (--next-zone moved it): it stays there; "
+            f"to move it, dtrain down --cluster {s.name}, then dtrain up[/]"
+        )
+    existing = len(rec["nodes"]) if rec else 0
     derived = _derive(ctx, zone)
     console.out.print(f"preflight for cluster {s.name} in project {ctx.project}:")
-    report = _preflight(ctx, derived, zone)
-    if not s.zone and report.zones and zone not in report.zones:
+    report = _preflight(ctx, derived, zone, existing)
+    if not s.zone and not rec and report.zones and zone not in report.zones:
         zone = report.zones[0]  # no zone chosen: the first that offers the accelerator
         report = _preflight(ctx, derived, zone)
     _print_preflight(report)

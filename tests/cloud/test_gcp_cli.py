@@ -166,6 +166,12 @@ def test_zone_exhausted_says_what_to_do_then_next_zone_retries(env_for, world, g
     assert "SSH not answering" in r.stderr
     record = json.loads((cwd / "config" / "dtrain" / "clusters" / "demo" / "record.json").read_text())
     assert record["zone"] == "us-central1-c"
+    # Another `up` of the cluster that is up keeps it in its zone, and asks quota only for nodes it
+    # adds: the region's CPUs are all in use, by this cluster's own two nodes.
+    world.set_quota("CPUS", 16, 16, region=REGION)
+    r = dtrain(cwd, env, "up", "--cluster", "demo", "--yes", "--ready-timeout", "1")
+    assert "no capacity" not in r.stderr and "request CPUS" not in r.stderr, r.stdout + r.stderr
+    assert "zone us-central1-c" in r.stdout and "nodes not ready after 1 s" in r.stderr
     # down destroys what Terraform made (state in the bucket), the sweep finds nothing more.
     r = dtrain(cwd, env, "down", "--cluster", "demo", "--yes")
     assert r.returncode == 0, r.stdout + r.stderr
