@@ -1,32 +1,4 @@
 # The use_gpu switch: GPU nodes vs CPU nodes.
-# Baseline: a valid 2-node L4 cluster; each run changes only what it tests.
-variables {
-  project_id              = "demo-project"
-  region                  = "us-central1"
-  zone                    = "us-central1-a"
-  cluster_name            = "demo"
-  worker_count            = 1
-  use_gpu                 = true
-  accelerator_type        = "nvidia-l4"
-  gpus_per_node           = 1
-  machine_type            = ""
-  spot                    = false
-  spot_termination_action = "STOP"
-  disk_size_gb            = 100
-  disk_type               = "pd-balanced"
-  ssh_source_ranges       = ["203.0.113.7/32"]
-  allow_ssh_from_anywhere = false
-  iap_ssh                 = true
-  bucket_name             = ""
-  bucket_lifecycle_days   = 7
-  labels                  = {}
-  ssh_user                = "dtrain"
-  ssh_public_key          = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGd0cmFpbi10ZXN0LWtleS1ub3QtYS1yZWFsLW9uZS4uLg dtrain-demo"
-  external_ip             = true
-  image_project           = ""
-  image_family            = ""
-  subnet_cidr             = "10.42.0.0/24"
-}
 
 run "cpu_nodes" {
   command = plan
