@@ -2,6 +2,7 @@
 
     python benchmarks/lora_throughput.py --json out.json    # all three, default settings: minutes on 2 cores
     python benchmarks/lora_throughput.py --quick              # smoke run, one to two minutes
+    python benchmarks/lora_throughput.py --only ours,trainer-packed --rounds 5   # the CPU ratio, interleaved
 
 Three pipelines train the same LoRA adapter (r 8, alpha 16, attention and MLP projections) on the same
 preset model, corpus, sequence length, batch, learning rate, precision and number of optimizer steps,
@@ -13,7 +14,10 @@ one after the other, each in a process of its own:
 - trainer-packed: `Trainer` on the corpus joined with end-of-text and cut into full blocks (run_clm).
 
 Only real (non-padding) tokens count. The first --warmup-steps optimizer steps are left out of the
-clock. benchmarks/README.md says what each figure measures.
+clock. With --rounds N the pipelines run in turn N times (ours, Trainer, ours, Trainer, ...): a shared
+machine's speed drifts 10-40% from minute to minute, so one run after the other can show any ratio;
+each round's ratio compares neighbours in time, and the median round is reported.
+benchmarks/README.md says what each figure measures.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import dataclasses
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -39,7 +44,7 @@ from dtrain.lora.data import read_texts
 from dtrain.lora.model import PRESETS, apply_lora, load_base
 
 PIPELINES = ("ours", "trainer-padded", "trainer-packed")
-SETTINGS = ("steps", "warmup_steps", "seq_len", "batch_size", "lr", "precision", "padding", "nproc", "quick")
+SETTINGS = ("steps", "warmup_steps", "seq_len", "batch_size", "lr", "precision", "padding", "nproc", "quick", "rounds")
 # What all three train: dtrain's LoRA defaults, spelled out so both sides get the same numbers.
 LORA_R = 8
 LORA_ALPHA = 16.0
@@ -416,13 +421,41 @@ def ratios(results: list[Result]) -> dict[str, float | None]:
     }
 
 
-def report(results: list[Result], args: argparse.Namespace, device: str, flops: float) -> None:
+def summarise(
+    rounds: list[list[Result]],
+) -> tuple[list[Result], dict[str, float | None], list[dict[str, float | None]]]:
+    """Per pipeline, the result of its median round by tokens/s (the lower median for an even count);
+    each ratio as the median of the per-round ratios; and the per-round ratios themselves."""
+    per_round = [ratios(r) for r in rounds]
+    names = [r.name for r in rounds[0]]
+    chosen = []
+    for name in names:
+        runs = sorted((r for rnd in rounds for r in rnd if r.name == name), key=lambda r: r.tokens_per_s)
+        pick = runs[(len(runs) - 1) // 2]
+        pick.extra["tokens_per_s_by_round"] = [r.tokens_per_s for rnd in rounds for r in rnd if r.name == name]
+        chosen.append(pick)
+    medians: dict[str, float | None] = {}
+    for key in per_round[0]:
+        values = sorted(v for pr in per_round if (v := pr[key]) is not None)
+        medians[key] = statistics.median(values) if values else None
+    return chosen, medians, per_round
+
+
+def report(
+    results: list[Result],
+    args: argparse.Namespace,
+    device: str,
+    flops: float,
+    medians: dict[str, float | None],
+    per_round: list[dict[str, float | None]],
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
     gpu = device != "cpu"
+    rounds = f", median of {args.rounds} interleaved rounds" if args.rounds > 1 else ""
     table = Table(
-        title=f"LoRA on {args.model}: seq {args.seq_len}, batch {args.batch_size}, {args.precision}, {device}",
+        title=f"LoRA on {args.model}: seq {args.seq_len}, batch {args.batch_size}, {args.precision}, {device}{rounds}",
         caption=f"tokens/s: real tokens of steps {args.warmup_steps + 1}-{args.steps} per second of wall time; "
         f"processes x threads: ours {args.nproc} x {threads_for(args.nproc)}, Trainer 1 x {threads_for(1)}",
     )
@@ -450,11 +483,20 @@ def report(results: list[Result], args: argparse.Namespace, device: str, flops: 
             f"{FLOPS_FORMULA}. Peak GPU memory of ours: n/a (dtrain does not report it).",
             highlight=False,
         )
-    r = ratios(results)
-    if r["ours_over_packed"] is not None:
-        console.print(f"ours / trainer-packed = {r['ours_over_packed']:.2f}x", highlight=False)
-    if r["packed_over_padded"] is not None:
-        console.print(f"trainer-packed / trainer-padded = {r['packed_over_padded']:.2f}x", highlight=False)
+    for key, label in (
+        ("ours_over_packed", "ours / trainer-packed"),
+        ("packed_over_padded", "trainer-packed / trainer-padded"),
+    ):
+        if medians[key] is None:
+            continue
+        line = f"{label} = {medians[key]:.2f}x"
+        if len(per_round) > 1:
+            line += f" (median; by round: {', '.join(f'{pr[key]:.2f}' for pr in per_round)})"
+        console.print(line, highlight=False)
+    if len(per_round) > 1:
+        for res in results:
+            by_round = ", ".join(f"{t:,.0f}" for t in res.extra["tokens_per_s_by_round"])
+            console.print(f"{res.name} tokens/s by round: {by_round}", highlight=False)
     for res in results:
         if "dtrain_reported_tokens_per_s" in res.extra:
             console.print(
@@ -495,6 +537,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only", type=parse_only, default=list(PIPELINES), help="comma-separated pipelines to run")
     p.add_argument("--peak-flops", type=float, default=H100_BF16_DENSE_FLOPS, help="GPU peak FLOP/s for MFU")
     p.add_argument("--quick", action="store_true", help="smoke run: a 256 KB corpus, 6 steps, 2 of warm-up")
+    p.add_argument("--rounds", type=int, default=1, help="run the pipelines in turn this many times (1)")
     p.add_argument("--json", type=Path, help="also write the figures to this file")
     # Internal: a baseline re-invokes this file.
     p.add_argument("--worker", choices=["padded", "packed"], help=argparse.SUPPRESS)
@@ -503,7 +546,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.warmup_steps = QUICK_STEPS, QUICK_WARMUP
-    for name in ("steps", "warmup_steps", "seq_len", "batch_size", "nproc"):
+    for name in ("steps", "warmup_steps", "seq_len", "batch_size", "nproc", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup_steps >= args.steps:
@@ -516,19 +559,22 @@ def main(argv: list[str] | None = None) -> None:
         return
     device = gpu_name() if torch.cuda.is_available() else "cpu"
     flops, params = flops_per_token(args.model)
-    results = []
+    rounds: list[list[Result]] = []
     with tempfile.TemporaryDirectory(prefix="lora-throughput-") as tmp:
         corpus = args.data or str(write_corpus(Path(tmp) / "corpus.jsonl", QUICK_CORPUS_BYTES if args.quick else None))
-        for name in PIPELINES:
-            if name in args.only:
-                work = Path(tmp) / name
-                work.mkdir()
-                ran = run_ours(args, corpus, work) if name == "ours" else run_baseline(name, args, corpus, work)
-                results.append(ran)
-    if device != "cpu":
-        for r in results:
-            r.mfu = r.tokens_per_s * flops / args.peak_flops
-    report(results, args, device, flops)
+        for i in range(args.rounds):
+            results = []
+            for name in PIPELINES:
+                if name in args.only:
+                    work = Path(tmp) / f"{name}-{i + 1}"
+                    work.mkdir()
+                    ran = run_ours(args, corpus, work) if name == "ours" else run_baseline(name, args, corpus, work)
+                    if device != "cpu":
+                        ran.mfu = ran.tokens_per_s * flops / args.peak_flops
+                    results.append(ran)
+            rounds.append(results)
+    results, medians, per_round = summarise(rounds)
+    report(results, args, device, flops, medians, per_round)
     if args.json:
         figures = {
             "model": args.model,
@@ -543,7 +589,8 @@ def main(argv: list[str] | None = None) -> None:
             "peak_flops": args.peak_flops if device != "cpu" else None,
             "measures": MEASURES,
             "pipelines": {r.name: dataclasses.asdict(r) for r in results},
-            "ratios": ratios(results),
+            "ratios": medians,
+            "ratios_by_round": per_round,
         }
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
 
