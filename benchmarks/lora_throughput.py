@@ -14,9 +14,10 @@ one after the other, each in a process of its own:
 - trainer-packed: `Trainer` on the corpus joined with end-of-text and cut into full blocks (run_clm).
 
 Only real (non-padding) tokens count. The first --warmup-steps optimizer steps are left out of the
-clock. With --rounds N the pipelines run in turn N times (ours, Trainer, ours, Trainer, ...): a shared
-machine's speed drifts 10-40% from minute to minute, so one run after the other can show any ratio;
-each round's ratio compares neighbours in time, and the median round is reported.
+clock. With --rounds N the pipelines run in turn N times, every other round in reverse order (ours,
+Trainer, Trainer, ours, ...): a shared machine's speed drifts 10-40% from minute to minute, so one run
+after the other can show any ratio; each round's ratio compares neighbours in time, and the median
+round is reported.
 benchmarks/README.md says what each figure measures.
 """
 
@@ -427,7 +428,7 @@ def summarise(
     """Per pipeline, the result of its median round by tokens/s (the lower median for an even count);
     each ratio as the median of the per-round ratios; and the per-round ratios themselves."""
     per_round = [ratios(r) for r in rounds]
-    names = [r.name for r in rounds[0]]
+    names = sorted({r.name for r in rounds[0]}, key=PIPELINES.index)
     chosen = []
     for name in names:
         runs = sorted((r for rnd in rounds for r in rnd if r.name == name), key=lambda r: r.tokens_per_s)
@@ -564,7 +565,8 @@ def main(argv: list[str] | None = None) -> None:
         corpus = args.data or str(write_corpus(Path(tmp) / "corpus.jsonl", QUICK_CORPUS_BYTES if args.quick else None))
         for i in range(args.rounds):
             results = []
-            for name in PIPELINES:
+            # Every other round in reverse (A B, B A, ...): a steady drift across a round favours neither.
+            for name in PIPELINES if i % 2 == 0 else PIPELINES[::-1]:
                 if name in args.only:
                     work = Path(tmp) / f"{name}-{i + 1}"
                     work.mkdir()

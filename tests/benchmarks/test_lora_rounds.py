@@ -48,7 +48,7 @@ def test_median_round_and_median_of_round_ratios():
     # while the two pipelines' median runs (6,000 and 4,000) would give 1.5.
     rounds = [
         [result(m, "ours", 6000), result(m, "trainer-packed", 4000)],
-        [result(m, "ours", 3000), result(m, "trainer-packed", 2500)],
+        [result(m, "trainer-packed", 2500), result(m, "ours", 3000)],  # the reversed round
         [result(m, "ours", 7700), result(m, "trainer-packed", 7000)],
     ]
     chosen, medians, per_round = m.summarise(rounds)
