@@ -9,7 +9,8 @@ import torch
 
 pytest.importorskip("peft", reason="needs the lora extra: pip install -e .[lora]")
 
-from dtrain.lora.fused import RMSNormFn, RopeFn, fuse_lora_linears, fuse_model  # noqa: E402
+from dtrain.lora import fused as fused_module  # noqa: E402
+from dtrain.lora.fused import RMSNormFn, RopeFn, fuse_lora_linears, fuse_model, linear  # noqa: E402
 from dtrain.lora.model import apply_lora, load_base  # noqa: E402
 
 TINY_QWEN2 = dict(  # grouped-query attention (4 query heads, 2 key/value heads) and q/k/v biases
@@ -135,3 +136,16 @@ def test_autocast_falls_back_to_the_stock_linear_and_norm():
         nodes = graph_nodes(fused(input_ids=x, labels=x, use_cache=False).loss)
     assert not {"LoraLinearFnBackward", "RMSNormFnBackward"} & nodes
     assert l2 == pytest.approx(l1, rel=1e-3)  # the rotary pass rounds differently in bf16: close, not equal
+
+
+def test_linear_equals_mm_with_strided_operands_through_onednn_and_without(monkeypatch):
+    if torch.backends.mkldnn.is_available():
+        assert fused_module._ONEDNN  # where torch has oneDNN, the fused step really uses it
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 8, generator=g).t()  # 8 x 64, transposed as u^T is in the backward
+    w = torch.randn(48, 64, generator=g)[:40]  # rows of a bigger matrix, as W' is of [W'; A]
+    want = x.double() @ w.double().t()
+    torch.testing.assert_close(linear(x, w).double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x, w.t().contiguous().t()).double(), want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(fused_module, "_ONEDNN", False)
+    torch.testing.assert_close(linear(x, w).double(), want, rtol=1e-5, atol=1e-5)
