@@ -437,7 +437,7 @@ def summarise(
         chosen.append(pick)
     medians: dict[str, float | None] = {}
     for key in per_round[0]:
-        values = sorted(v for pr in per_round if (v := pr[key]) is not None)
+        values = [v for pr in per_round if (v := pr[key]) is not None]
         medians[key] = statistics.median(values) if values else None
     return chosen, medians, per_round
 

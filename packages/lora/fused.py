@@ -13,10 +13,10 @@ a fresh allocation. Here, without changing any parameter, name or the saved adap
   in closed form (3 full passes instead of autograd's ~7).
 - Rotary embedding: `q cos + rotate_half(q) sin` written as one product and two half-width
   `addcmul_`s, forward and backward, instead of neg, cat, two products and a sum.
-
 - On CPU, the linear's matrix products (the full-size ones and the rank-r ones) go through oneDNN's
-  fp32 linear rather than torch.mm's MKL, which runs these shapes 20-35% faster on the AMD EPYC
-  this was measured on; where this torch has no oneDNN, torch.mm.
+  fp32 linear rather than torch.mm's MKL: 8-20% faster on the full-size shapes on the AMD EPYC
+  this was measured on, more on most rank-r ones (benchmarks/cpu_matmul.py); where this torch has
+  no oneDNN, torch.mm.
 
 The attention itself stays transformers' own attention function (SDPA), with its masking, GQA and
 sliding-window handling. History on this machine (2 threads, tiny-llama, seq 256, batch 8): the
@@ -51,8 +51,9 @@ _ONEDNN = torch.backends.mkldnn.is_available() and _onednn_linear_available()
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w^T for 2-D fp32 CPU tensors through oneDNN where this torch has it, else torch.mm (MKL).
 
-    On this project's AMD EPYC test machine (2 threads), oneDNN ran the step's shapes at 177-192
-    GFLOP/s against MKL's 142-161, with fp32 rounding (max relative error 6e-7 against float64)."""
+    On this project's AMD EPYC test machine (2 threads), oneDNN ran the step's full-size products at
+    189-213 GFLOP/s against MKL's 158-194 (benchmarks/cpu_matmul.py), with fp32 rounding (max
+    relative error 6e-7 against float64)."""
     if _ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, None, "none", [], "")  # w may be strided
     return x @ w.t()
