@@ -61,3 +61,11 @@ def test_median_round_and_median_of_round_ratios():
     two = m.summarise(rounds[:2])
     assert two[1]["ours_over_packed"] == pytest.approx(1.35)  # even count: the mean of the middle two
     assert [r.tokens_per_s for r in two[0]] == [3000, 2500]  # and the lower median run per pipeline
+
+
+def test_rounds_below_one_is_refused_with_its_message(capsys):
+    m = load_script()
+    with pytest.raises(SystemExit) as e:
+        m.main(["--rounds", "0"])
+    assert e.value.code == 2
+    assert "--rounds must be >= 1" in capsys.readouterr().err
