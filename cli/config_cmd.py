@@ -20,7 +20,7 @@ def show(
     as_json: Annotated[bool, typer.Option("--json", help="print a JSON list of {key, value, source}")] = False,
 ) -> None:
     """Print every setting, its value and its source: default, the config file, DTRAIN_* or a flag."""
-    from dtrain.cli.settings import describe, load_settings
+    from dtrain.control.settings import describe, load_settings
 
     items = describe(load_settings(console.state.config_path), workload)
     if as_json:

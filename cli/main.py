@@ -48,7 +48,7 @@ def _register() -> None:
     app.add_typer(config_cmd.app, name="config")
     app.add_typer(train_cmd.app, name="train")
     app.command("runs")(runs_cmd.runs)
-    app.command("logs")(cluster_cmd.logs)
+    app.command("logs")(runs_cmd.logs)
     app.command("doctor")(cluster_cmd.doctor)
     app.command("gpus")(cluster_cmd.gpus)
     app.command("exec")(cluster_cmd.exec_)
@@ -77,11 +77,21 @@ def run(argv: list[str] | None = None) -> int:
     except typer.Abort:
         return int(ExitCode.INTERRUPTED)
     except ClickException as e:
-        e.show()
-        return int(ExitCode.USAGE)
+        console.error(_one_line(e))
+        return int(e.exit_code) if e.exit_code not in (0, 1) else int(ExitCode.USAGE)
     except KeyboardInterrupt:
         return int(ExitCode.INTERRUPTED)
     return int(console.state.exit_code)
+
+
+def _one_line(e: ClickException) -> str:
+    """A usage error as one line, like every other error (click's own is a boxed panel of three)."""
+    # typer words some messages as "Value error, ..." (its validation library's prefix): not for people.
+    message = " ".join(e.format_message().replace("Value error, ", "").split())
+    ctx = getattr(e, "ctx", None)
+    if ctx is not None:
+        message += f" (see {ctx.command_path} --help)"
+    return message
 
 
 def main() -> None:

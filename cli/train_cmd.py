@@ -1,278 +1,125 @@
-"""`dtrain train <workload>`: resolve settings, pick the cluster, launch, report."""
+"""`dtrain train <workload>`: one command per registered workload, its options generated from the
+workload's config dataclass and the [run] settings (name, type, help, choices), so that adding an
+option is adding a field. The command parses, calls dtrain.control.launch, and reports."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import inspect
+import sys
+import typing
 from typing import Annotated, Any
 
 import typer
 
 from dtrain.cli import console
 from dtrain.cli import options as o
-from dtrain.common.errors import UserError
-from dtrain.mnist.config import Dataset
 
 app = typer.Typer(help="Train a workload on this machine or a cluster.", no_args_is_help=True)
 
-
-@app.command("mnist")
-def mnist(
-    dataset: Annotated[Dataset | None, typer.Option("--dataset", help="which IDX dataset", show_default=False)] = None,
-    data_dir: o.DataDir = None,
-    epochs: Annotated[int | None, typer.Option("--epochs", help="passes over the data", show_default=False)] = None,
-    batch_size: Annotated[
-        int | None, typer.Option("--batch-size", help="global batch size", show_default=False)
-    ] = None,
-    lr: Annotated[float | None, typer.Option("--lr", help="peak learning rate", show_default=False)] = None,
-    train_split: Annotated[
-        str | None, typer.Option("--train-split", help="e.g. train, test[:8000]", show_default=False)
-    ] = None,
-    eval_split: Annotated[
-        str | None, typer.Option("--eval-split", help="e.g. test, test[8000:]", show_default=False)
-    ] = None,
-    augment: Annotated[
-        bool | None, typer.Option("--augment/--no-augment", help="random 2-pixel shifts", show_default=False)
-    ] = None,
-    download: Annotated[
-        bool | None,
-        typer.Option("--download/--no-download", help="fetch from the public mirrors if not found", show_default=False),
-    ] = None,
-    nproc: o.Nproc = None,
-    output: o.Output = None,
-    cluster: o.Cluster = None,
-    resume: o.Resume = None,
-    run_id: o.RunId = None,
-    precision: o.PrecisionOpt = None,
-    backend: o.BackendOpt = None,
-    seed: o.Seed = None,
-    checkpoint_every: o.CheckpointEvery = None,
-    max_restarts: o.MaxRestarts = None,
-    accept_new_host_keys: o.AcceptNewHostKeys = False,
-    image: o.Image = None,
-) -> None:
-    """Train a CNN on MNIST or Fashion-MNIST (IDX files), with DDP and resumable checkpoints."""
-    flags = {
-        "mnist.dataset": dataset,
-        "mnist.data_dir": str(data_dir) if data_dir else None,
-        "mnist.epochs": epochs,
-        "mnist.batch_size": batch_size,
-        "mnist.lr": lr,
-        "mnist.train_split": train_split,
-        "mnist.eval_split": eval_split,
-        "mnist.augment": augment,
-        "mnist.download": download,
-        **o.common_flags(
-            nproc=nproc,
-            output=output,
-            cluster=cluster,
-            resume=resume,
-            run_id=run_id,
-            precision=precision,
-            backend=backend,
-            seed=seed,
-            checkpoint_every=checkpoint_every,
-            max_restarts=max_restarts,
-        ),
-    }
-    console.state.exit_code = launch("mnist", flags, accept_new_host_keys=accept_new_host_keys, image=image)
+# Options of the launch itself, not settings: they never reach the workload or dtrain.toml.
+LAUNCH_ONLY = {
+    "accept_new_host_keys": (o.AcceptNewHostKeys, False),
+    "image": (o.Image, None),
+    "oversubscribe": (o.Oversubscribe, False),
+}
 
 
-@app.command("lora")
-def lora(
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            help="hub id, local directory, or preset: tiny-llama, tiny-gpt2, qwen2.5-0.5b-shape",
-            show_default=False,
-        ),
-    ] = None,
-    data: Annotated[
-        str | None,
-        typer.Option("--data", help="text/JSONL file or directory, gs:// URL, or dataset name", show_default=False),
-    ] = None,
-    text_field: Annotated[
-        str | None, typer.Option("--text-field", help="JSONL field holding the text", show_default=False)
-    ] = None,
-    max_steps: Annotated[
-        int | None, typer.Option("--max-steps", help="optimizer steps (default: --epochs passes)", show_default=False)
-    ] = None,
-    epochs: Annotated[
-        int | None,
-        typer.Option("--epochs", help="passes over the data when --max-steps is not set", show_default=False),
-    ] = None,
-    seq_len: Annotated[
-        int | None, typer.Option("--seq-len", help="tokens per packed block", show_default=False)
-    ] = None,
-    batch_size: Annotated[
-        int | None, typer.Option("--batch-size", help="global blocks per optimizer step", show_default=False)
-    ] = None,
-    grad_accum: Annotated[
-        int | None, typer.Option("--grad-accum", help="micro-batches per optimizer step", show_default=False)
-    ] = None,
-    lr: Annotated[float | None, typer.Option("--lr", help="peak learning rate", show_default=False)] = None,
-    lora_r: Annotated[int | None, typer.Option("--lora-r", help="LoRA rank", show_default=False)] = None,
-    lora_alpha: Annotated[
-        float | None, typer.Option("--lora-alpha", help="LoRA alpha (scale = alpha / r)", show_default=False)
-    ] = None,
-    lora_dropout: Annotated[
-        float | None, typer.Option("--lora-dropout", help="dropout on the LoRA input", show_default=False)
-    ] = None,
-    target_modules: Annotated[
-        str | None,
-        typer.Option(
-            "--target-modules", help="comma-separated layer names (default: attention + MLP)", show_default=False
-        ),
-    ] = None,
-    eval_every: Annotated[
-        int | None,
-        typer.Option("--eval-every", help="evaluate every N steps (default: at the end)", show_default=False),
-    ] = None,
-    merge: Annotated[
-        bool | None,
-        typer.Option("--merge/--no-merge", help="also write the merged model to final/merged", show_default=False),
-    ] = None,
-    nproc: o.Nproc = None,
-    output: o.Output = None,
-    cluster: o.Cluster = None,
-    resume: o.Resume = None,
-    run_id: o.RunId = None,
-    precision: o.PrecisionOpt = None,
-    backend: o.BackendOpt = None,
-    seed: o.Seed = None,
-    checkpoint_every: o.CheckpointEvery = None,
-    max_restarts: o.MaxRestarts = None,
-    accept_new_host_keys: o.AcceptNewHostKeys = False,
-    image: o.Image = None,
-) -> None:
-    """LoRA fine-tuning of a causal LM (transformers + peft); the adapter lands in final/adapter."""
-    flags = {
-        "lora.model": model,
-        "lora.data": data,
-        "lora.text_field": text_field,
-        "lora.max_steps": max_steps,
-        "lora.epochs": epochs,
-        "lora.seq_len": seq_len,
-        "lora.batch_size": batch_size,
-        "lora.grad_accum": grad_accum,
-        "lora.lr": lr,
-        "lora.lora_r": lora_r,
-        "lora.lora_alpha": lora_alpha,
-        "lora.lora_dropout": lora_dropout,
-        "lora.target_modules": [t.strip() for t in target_modules.split(",") if t.strip()] if target_modules else None,
-        "lora.eval_every": eval_every,
-        "lora.merge": merge,
-        **o.common_flags(
-            nproc=nproc,
-            output=output,
-            cluster=cluster,
-            resume=resume,
-            run_id=run_id,
-            precision=precision,
-            backend=backend,
-            seed=seed,
-            checkpoint_every=checkpoint_every,
-            max_restarts=max_restarts,
-        ),
-    }
-    console.state.exit_code = launch("lora", flags, accept_new_host_keys=accept_new_host_keys, image=image)
+def _option(key: Any) -> Any:
+    """The typer option for one settings key (a dtrain.control.settings key: name, type, help, default).
+    Its value is None when not given, so the config file and the environment keep their say."""
+    from dtrain.common.config import flag
+
+    help_text = key.help.replace("[", "\\[")  # rich markup would eat [clusters.NAME]
+    if key.default is dataclasses.MISSING:
+        help_text += " (required)"
+    elif key.default not in ("", []):
+        help_text += f" (default: {key.default.value if isinstance(key.default, enum.Enum) else key.default})"
+    tp = key.type
+    if tp is bool:
+        name = flag(key.name)
+        return Annotated[bool | None, typer.Option(f"{name}/--no-{name[2:]}", help=help_text, show_default=False)]
+    if typing.get_origin(tp) is list:  # comma-separated on the command line, as in DTRAIN_* variables
+        help_text, tp = f"{help_text} (comma-separated)", str
+    return Annotated[tp | None, typer.Option(flag(key.name), help=help_text, show_default=False)]
+
+
+def _register(workload: str) -> None:
+    from dtrain.control.settings import schema, workload_class
+
+    cls = workload_class(workload)
+    keys = [k for k in schema().values() if k.section in (workload, "run")]
+    # The workload's own options first, then the shared ones.
+    keys.sort(key=lambda k: k.section != workload)
+    annotations: dict[str, Any] = {}
+    by_param: dict[str, str] = {}
+    for k in keys:
+        annotations[k.name] = _option(k)
+        by_param[k.name] = k.key
+    for name, (annotation, _default) in LAUNCH_ONLY.items():
+        annotations[name] = annotation
+    defaults = {name: default for name, (_a, default) in LAUNCH_ONLY.items()}
+    # typer reads both the signature and the annotations.
+    params = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(name), annotation=annotation)
+        for name, annotation in annotations.items()
+    ]
+
+    def command(**given: Any) -> None:
+        flags = {by_param[name]: value for name, value in given.items() if name in by_param}
+        console.state.exit_code = launch(
+            workload,
+            flags,
+            accept_new_host_keys=given["accept_new_host_keys"],
+            image=given["image"] or "",
+            oversubscribe=given["oversubscribe"],
+        )
+
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__annotations__ = annotations
+    command.__doc__ = (cls.__doc__ or "").strip().split("\n\n")[0]
+    command.__name__ = workload
+    app.command(workload)(command)
 
 
 def launch(
-    workload: str, flags: dict[str, Any], *, accept_new_host_keys: bool = False, image: str | None = None
+    workload: str,
+    flags: dict[str, Any],
+    *,
+    accept_new_host_keys: bool = False,
+    image: str = "",
+    oversubscribe: bool = False,
 ) -> int:
-    """Resolve the settings and run `workload` where they say; returns the job's exit code. `image`:
-    run in that Docker image on every node of the cluster (container mode)."""
-    from dtrain.cli.launcher import plan_local, run_local
-    from dtrain.cli.settings import DEFAULT, ClusterBackend, get_cluster, load_settings
-    from dtrain.common.rundir import locate, read_json
+    """Run `workload` where the settings say; report where the run went; return the job's exit code."""
+    from dtrain.control.launch import LaunchRequest, next_step
+    from dtrain.control.launch import launch as control_launch
 
-    settings = load_settings(console.state.config_path, flags)
-    cluster_cfg = get_cluster(settings)
-    cluster = None
-    output = settings.run.output
-    if cluster_cfg.backend != ClusterBackend.LOCAL:
-        from dtrain.cli.cluster import resolve
-
-        cluster = resolve(cluster_cfg)
-        if cluster.needs_image and not (image or cluster.image):
-            raise UserError(
-                f"cluster {cluster.name!r} has no training image: run dtrain build --cluster {cluster.name} (it "
-                f'builds and pushes to the cluster\'s registry), or set image = "..." in [clusters.{cluster.name}], '
-                "or pass --image"
-            )
-        if cluster.default_output and settings.source("run.output") == DEFAULT:
-            output = cluster.default_output  # a gcp cluster's runs go to its bucket
-    resumed = None
-    if settings.run.resume:
-        # The run's own config sits beneath the file, environment and flags.
-        resumed = locate(output, settings.run.resume)
-        saved = read_json(resumed, "config.json") or {}
-        if saved.get("workload", workload) != workload:
-            raise UserError(f"run {resumed.url} is a {saved['workload']} run: use `dtrain train {saved['workload']}`")
-        flat = saved.get("config") or {}
-        settings = load_settings(console.state.config_path, flags, saved=(f"{resumed.url}/config.json", workload, flat))
-    settings.workload(workload)  # validate the whole workload config before starting anything
-    if cluster is not None:
-        from dtrain.cli.remote import launch_cluster
-
-        code, run, run_id = launch_cluster(
-            workload,
-            settings.explicit(workload),
-            cluster=cluster,
-            nproc=settings.launch.nproc,
-            max_restarts=settings.launch.max_restarts,
-            output=output,
-            resumed=resumed,
-            accept_new_host_keys=accept_new_host_keys,
-            image=image or "",
-        )
-        _report(workload, run.url, run_id, code)
-        return code
-    if image:
-        raise UserError(
-            "--image runs the job in containers on a cluster's nodes: add --cluster NAME (a hosts or gcp cluster); "
-            "on this machine use `docker compose --profile cpu up` or docker run (see compose.yaml)"
-        )
-    plan = plan_local(
-        workload,
-        settings.explicit(workload),
-        nproc=settings.launch.nproc,
-        max_restarts=settings.launch.max_restarts,
-        output=settings.run.output,
-        resumed=resumed,
+    request = LaunchRequest(
+        workload=workload,
+        flags=flags,
+        config_path=console.state.config_path,
+        image=image,
+        accept_new_host_keys=accept_new_host_keys,
+        oversubscribe=oversubscribe,
+        tty=sys.stdout.isatty(),
+        debug=console.state.debug,
     )
-    verb = "resuming" if plan.resuming else "starting"
-    console.out.print(
-        f"{verb} [bold]{workload}[/] run [cyan]{plan.run_id}[/] on this machine: "
-        f"{plan.nproc} process(es) x {plan.threads} thread(s)",
-        highlight=False,
-    )
-    code = run_local(plan)
-    _report(workload, plan.run.url, plan.run_id, code)
-    return code
+    with console.operation() as (events, handle):
+        result = control_launch(request, events=events, handle=handle)
+    message = next_step(result)
+    if message and result.ok:
+        console.out.print(message, highlight=False)
+    elif message:
+        console.err.print(message, highlight=False)
+    return result.exit_code
 
 
-def _report(workload: str, url: str, run_id: str, code: int) -> None:
-    from dtrain.common.errors import ExitCode
+def register_all() -> None:
+    from dtrain.control.settings import WORKLOADS
 
-    if code == ExitCode.OK:
-        console.out.print(
-            f"run [cyan]{run_id}[/] completed: {url} (config.json, metrics.jsonl, checkpoints/, final/)",
-            highlight=False,
-        )
-    elif code == ExitCode.PREEMPTED:
-        console.err.print(
-            f"run {run_id} stopped after a checkpoint: resume with `dtrain train {workload} --resume {run_id}`",
-            highlight=False,
-        )
-    elif code == ExitCode.INTERRUPTED:
-        console.err.print(
-            f"run {run_id} interrupted: `dtrain train {workload} --resume {run_id}` continues from its last checkpoint",
-            highlight=False,
-        )
-    elif code != ExitCode.USAGE:
-        console.err.print(
-            f"run {run_id} failed (exit {code}); logs above. `dtrain train {workload} --resume "
-            f"{run_id}` continues from its last complete checkpoint",
-            highlight=False,
-        )
+    for name in WORKLOADS:
+        _register(name)
+
+
+register_all()

@@ -1,5 +1,5 @@
 output "cluster" {
-  description = "The cluster record dtrain reads (`terraform output -json cluster`; shape in cli/record.py): nodes master first, external_ip \"\" without one, accelerator \"\" on CPU nodes."
+  description = "The cluster record dtrain reads (`terraform output -json cluster`; shape in packages/control/gcp/record.py): nodes master first, external_ip \"\" without one, accelerator \"\" on CPU nodes."
   value = {
     name     = var.cluster_name
     project  = var.project_id

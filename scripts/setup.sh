@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
-# Set up dtrain on this machine: system packages (when run as root), a virtualenv in .venv,
-# torch, and dtrain with its training and development extras. Safe to run again.
+# Set up dtrain on this machine. Safe to run again.
 #
-#   scripts/setup.sh            # everything, for training and tests
-#   DTRAIN_TORCH=torch==2.13.0 scripts/setup.sh   # choose the torch build (default below)
+#   scripts/setup.sh         what training needs: python3-venv, git and Debian's Fashion-MNIST (when run as
+#                            root), a virtualenv in .venv with torch and dtrain[train]
+#   scripts/setup.sh --dev   also what the tests need (scripts/test.sh runs it): the test bed's system
+#                            packages (sshd, Docker, ...), dtrain's dev extras, and checkov in .venv-tools
+#   DTRAIN_TORCH=torch==2.13.0 scripts/setup.sh   choose the torch build (default below)
 #
 # torch is pinned to 2.13.0 because the machines this project is developed and tested on carry a
 # local CPU wheel of exactly that version; a looser spec pulls gigabytes of CUDA wheels. On a GPU
-# machine, set DTRAIN_TORCH to the CUDA build you want.
+# machine, set DTRAIN_TORCH to the CUDA build you want (docs/gpu.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+DEV=0
+case "${1:-}" in
+  --dev) DEV=1 ;;
+  "") ;;
+  *) echo "usage: scripts/setup.sh [--dev]" >&2; exit 2 ;;
+esac
 
 TORCH_SPEC="${DTRAIN_TORCH:-torch==2.13.0}"
 PYTHON="${PYTHON:-python3}"
 APT_PACKAGES=(
-  dataset-fashion-mnist  # Fashion-MNIST as IDX files, for training offline and the tests
+  python3-venv git          # the virtualenv; git for dtrain build's tags and for contributors
+  dataset-fashion-mnist     # Fashion-MNIST as IDX files: training offline, and the tests
+)
+DEV_APT_PACKAGES=(
   # the multi-host test bed (scripts/testbed.py, tests/cluster): netns, bridge, sshd per host
   openssh-server openssh-client iproute2 iptables procps
   shellcheck  # tests/infra: the GCP nodes' startup script (docker/node-startup.sh)
@@ -22,6 +34,8 @@ APT_PACKAGES=(
   # registry to push to and pull from
   docker.io debootstrap docker-compose docker-registry
 )
+EXTRAS="train"
+[ "$DEV" = 1 ] && APT_PACKAGES+=("${DEV_APT_PACKAGES[@]}") && EXTRAS="dev,lora,tensorboard"
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   missing=()
@@ -39,12 +53,20 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-echo "setup: pip install $TORCH_SPEC"
-.venv/bin/python -m pip install -q "$TORCH_SPEC"
-echo "setup: pip install -e .[dev,lora,tensorboard]"
-.venv/bin/python -m pip install -q -e ".[dev,lora,tensorboard]"
-# checkov (tests/infra) has its own virtualenv: it pins dozens of packages the dev extra also uses.
-echo "setup: checkov into .venv-tools"
-PYTHON="$PYTHON" bash scripts/infra-tools.sh >/dev/null
-echo "setup: done. Activate with: source .venv/bin/activate"
+# What was installed, and from which inputs: a second run with the same ones installs nothing.
+stamp=".venv/.dtrain-setup-$EXTRAS-$(sha256sum <pyproject.toml | cut -c1-12)-$(echo "$TORCH_SPEC" | tr -c 'a-zA-Z0-9.=+' _)"
+if [ ! -e "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  echo "setup: pip install $TORCH_SPEC"
+  .venv/bin/python -m pip install -q "$TORCH_SPEC"
+  echo "setup: pip install -e .[$EXTRAS]"
+  .venv/bin/python -m pip install -q -e ".[$EXTRAS]"
+  rm -f .venv/.dtrain-setup-*
+  touch "$stamp"
+fi
+if [ "$DEV" = 1 ]; then
+  # checkov (tests/infra) has its own virtualenv: it pins dozens of packages the dev extra also uses.
+  echo "setup: checkov into .venv-tools"
+  PYTHON="$PYTHON" bash scripts/infra-tools.sh >/dev/null
+fi
+echo "setup: done. Train with: .venv/bin/dtrain train mnist --dataset fashion-mnist"

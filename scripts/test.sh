@@ -1,23 +1,28 @@
 #!/usr/bin/env bash
-# Run the test suite in .venv (made by scripts/setup.sh).
+# Set up what the tests need (scripts/setup.sh --dev, quick when done already), then run the whole
+# suite: the default tests, then the slow ones. Both always run; the exit code is non-zero if either
+# fails.
 #
-#   scripts/test.sh            # the default suite (under ~15 minutes on 2 cores), then the slow
-#                              # tests if the whole run stays within DTRAIN_TEST_BUDGET_S
-#   scripts/test.sh -k resume  # extra arguments go to pytest
+#   scripts/test.sh            # everything (CI runs this)
+#   scripts/test.sh -k resume  # extra arguments go to pytest, for both runs
+#
+# A skipped test fails the run (tests/conftest.py) unless it skipped for a missing GPU or an absent
+# ../shared: anything else this machine should run. Without root most of the multi-host tests skip;
+# there, DTRAIN_STRICT_SKIPS=0 scripts/test.sh runs what it can and lists the rest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BUDGET_S="${DTRAIN_TEST_BUDGET_S:-2700}"   # CI allows 90 minutes; stay well under it
-SLOW_ESTIMATE_S=900                        # what the slow tests take on 2 cores, with margin
+bash scripts/setup.sh --dev
+export DTRAIN_STRICT_SKIPS="${DTRAIN_STRICT_SKIPS:-1}"
 
 start=$(date +%s)
-.venv/bin/python -m pytest -m "not slow" "$@"
-elapsed=$(( $(date +%s) - start ))
-if [ $(( elapsed + SLOW_ESTIMATE_S )) -le "$BUDGET_S" ]; then
-  echo "test.sh: default suite took ${elapsed}s; running the slow tests"
-  rc=0
-  .venv/bin/python -m pytest -m slow "$@" || rc=$?
-  [ "$rc" = 5 ] && rc=0   # no slow test selected (e.g. with -k) is not a failure
-  exit "$rc"
-else
-  echo "test.sh: default suite took ${elapsed}s; skipping the slow tests to stay within ${BUDGET_S}s"
-fi
+rc=0
+.venv/bin/python -m pytest -m "not slow" "$@" || rc=$?
+echo "test.sh: default suite: exit $rc in $(( $(date +%s) - start ))s; now the slow tests"
+slow_start=$(date +%s)
+slow_rc=0
+.venv/bin/python -m pytest -m slow "$@" || slow_rc=$?
+[ "$slow_rc" = 5 ] && slow_rc=0   # no slow test selected (e.g. with -k) is not a failure
+echo "test.sh: slow tests: exit $slow_rc in $(( $(date +%s) - slow_start ))s; total $(( $(date +%s) - start ))s"
+[ "$rc" = 5 ] && rc=0
+[ "$rc" = 0 ] && rc=$slow_rc
+exit "$rc"

@@ -109,6 +109,18 @@ def _locked():
         yield
 
 
+NETNS_ETC = Path("/etc/netns")
+
+
+def _debian_hosts(ns: str) -> None:
+    """/etc/hosts as Debian and Ubuntu write it, for every process `ip netns exec` starts in `ns` (it
+    bind-mounts /etc/netns/<ns>/hosts over /etc/hosts): the machine's hostname maps to 127.0.1.1, so a
+    program that looks up its own address (gloo, NCCL) gets loopback unless told which interface to use."""
+    d = NETNS_ETC / ns
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "hosts").write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{socket.gethostname()}\n")
+
+
 def _teardown(state: dict, procs: tuple | list = ()) -> None:
     """Removes everything ``state`` describes; every step tolerates what is already gone."""
     for p in procs:
@@ -128,6 +140,7 @@ def _teardown(state: dict, procs: tuple | list = ()) -> None:
             p.wait(timeout=5)
     for ns in state["namespaces"]:
         _run("ip", "netns", "del", ns, check=False)
+        shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
     for link in [*state["veths"], state["bridge"]]:
         if Path(f"/sys/class/net/{link}").exists():
             _run("ip", "link", "del", link, check=False)
@@ -223,6 +236,7 @@ class Testbed:
         for i, (ns, veth) in enumerate(zip(self.state["namespaces"], self.state["veths"], strict=True)):
             peer = f"{self.prefix}p{i}"
             _run("ip", "netns", "add", ns)
+            _debian_hosts(ns)
             _run("ip", "link", "add", veth, "type", "veth", "peer", "name", peer)
             _run("ip", "link", "set", veth, "master", br, "up")
             _run("ip", "link", "set", peer, "netns", ns)
@@ -316,9 +330,17 @@ class Testbed:
         return f"http://{host.address}:{port}"
 
     def cluster_toml(
-        self, name: str, python: str, env: dict[str, str] | None = None, known_hosts: str | None = None
+        self,
+        name: str,
+        python: str,
+        env: dict[str, str] | None = None,
+        known_hosts: str | None = None,
+        interface: str | None = None,
     ) -> str:
-        """The ``[clusters.<name>]`` table for dtrain.toml describing this test bed (backend "hosts")."""
+        """The ``[clusters.<name>]`` table for dtrain.toml describing this test bed (backend "hosts").
+
+        No ``interface`` by default: like Debian hosts, the namespaces share a hostname that resolves to
+        loopback, and dtrain must find each node's interface itself."""
         q = json.dumps  # a JSON string is a valid TOML basic string
         bare = lambda k: k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else q(k)  # noqa: E731
         key = bare(name)
@@ -331,7 +353,7 @@ class Testbed:
         for i, h in enumerate(self.hosts):
             lines += ["", f"[[clusters.{key}.nodes]]", f"name = {q(h.name)}", f"address = {q(h.address)}"]
             lines += ["master = true"] if i == 0 else []
-            lines += [f"workdir = {q(str(h.workdir))}", 'interface = "eth0"']
+            lines += [f"workdir = {q(str(h.workdir))}"] + ([f"interface = {q(interface)}"] if interface else [])
         return "\n".join(lines) + "\n"
 
     # -- removal -------------------------------------------------------------------------------------------

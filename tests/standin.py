@@ -28,7 +28,7 @@ def standin_infra(
     dest.mkdir()
     shutil.copy(REPO / "infra" / "variables.tf", dest / "variables.tf")
     (dest / "modules").symlink_to(REPO / "infra" / "modules")
-    from dtrain.cli.terraform import _block
+    from dtrain.control.gcp.terraform import _block
 
     plan = _block(REPO / "infra" / "main.tf", 'module "plan"')
     addrs = json.dumps(addresses)

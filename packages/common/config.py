@@ -43,7 +43,7 @@ def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argp
 
 # RunConfig keys that say where a run lives rather than how it trains: a resumed run never inherits
 # them from its saved config.
-PLACEMENT_KEYS = frozenset({"output", "run_id", "resume"})
+PLACEMENT_KEYS = frozenset({"output", "run_id", "resume", "run_dir"})
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -53,6 +53,9 @@ class RunConfig:
     output: str = opt("runs", "parent directory or gs://bucket/prefix for runs/<run-id>/")
     run_id: str = opt("", "run id (default: generated, <workload>-<utc time>-<hex>)")
     resume: str = opt("", "run id or run directory/URL to continue from its newest complete checkpoint")
+    # Set by dtrain's launchers, which work out where the run lives once and hand it down; a plain
+    # torchrun leaves it empty and the workload derives it from output and run_id itself.
+    run_dir: str = opt("", "the run's directory or URL, as the launcher resolved it", internal=True)
     precision: Precision = opt(Precision.AUTO, "auto picks bf16 on GPUs that have it, fp16 on older GPUs, fp32 on CPU")
     backend: Backend = opt(Backend.AUTO, "process-group backend; auto is nccl with CUDA, gloo without")
     seed: int = opt(0, "seed for weights, data order and augmentation")

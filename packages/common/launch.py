@@ -13,10 +13,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import sys
 
 from dtrain.common import env as envmod
 from dtrain.common.errors import ExitCode
+from dtrain.common.procs import dies_with_parent
 
 
 def exit_code_of(worker_code: int) -> int:
@@ -39,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    workers_die_with_agent()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run(args)
@@ -52,6 +55,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return int(ExitCode.INTERRUPTED)
     return int(ExitCode.OK)
+
+
+def workers_die_with_agent() -> None:
+    """Have every worker torchrun starts get SIGKILL when this agent dies, from before its Python
+    starts: torchrun puts workers in sessions of their own, so without it a worker still importing
+    torch outlives an agent killed with SIGKILL (dtrain.common.dist sets the same once torch is in,
+    for workers started by a plain torchrun)."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    popen = subprocess_handler.Popen
+
+    def popen_dying_with_agent(*args: object, **kwargs: object) -> subprocess.Popen:
+        kwargs.setdefault("preexec_fn", dies_with_parent(signal.SIGKILL))
+        return popen(*args, **kwargs)
+
+    # torch's SubprocessHandler calls the module's own `Popen` name: the one seam it offers.
+    subprocess_handler.Popen = popen_dying_with_agent
 
 
 if __name__ == "__main__":

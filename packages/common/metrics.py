@@ -13,7 +13,7 @@ from typing import Any
 from dtrain.common import env as envmod
 from dtrain.common.storage import Store
 
-# Read by the SSH launcher (cli/remote.py). STX, since \x1e would be a line break to str.splitlines.
+# Read by the SSH launcher (dtrain.control.remote). STX, since \x1e would be a line break to str.splitlines.
 PROGRESS_PREFIX = "\x02dtrain-progress "
 PROGRESS_EVERY_S = 0.5
 

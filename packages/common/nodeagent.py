@@ -1,7 +1,8 @@
 """What dtrain runs on each node over SSH, from the code it synced there. Standard library only
 until a job starts, so `info` also works where torch is missing and says so.
 
-    python -m dtrain.common.nodeagent info [--workdir DIR]      one JSON line: versions, CPUs, GPUs, disk
+    python -m dtrain.common.nodeagent info [--workdir DIR] [--addr A]   one JSON line: versions, CPUs, GPUs, disk,
+                                                                   the interface holding A
     python -m dtrain.common.nodeagent listen --addr A --port P [--port P2 ...] --seconds S
     python -m dtrain.common.nodeagent connect --to HOST:PORT [--to ...] [--timeout S]
     python -m dtrain.common.nodeagent run                       a job: its spec as one JSON line on stdin
@@ -41,9 +42,10 @@ SIGNALS = {"INT": signal.SIGINT, "TERM": signal.SIGTERM, "KILL": signal.SIGKILL}
 DEFAULT_GRACE_S = 45.0
 
 
-def info(workdir: str) -> dict[str, Any]:
+def info(workdir: str, address: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {
         "hostname": socket.gethostname(),
+        "hostname_resolves_to": _resolve(socket.gethostname()),
         "python": platform.python_version(),
         "executable": sys.executable,
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
@@ -52,6 +54,8 @@ def info(workdir: str) -> dict[str, Any]:
     wd.mkdir(parents=True, exist_ok=True)
     usage = shutil.disk_usage(wd)
     out["disk_free_bytes"], out["disk_total_bytes"], out["workdir"] = usage.free, usage.total, str(wd.resolve())
+    if address:
+        out["address"], out["ifname"] = address, interface_of(address)
     try:
         import torch
     except ImportError as e:
@@ -69,6 +73,52 @@ def info(workdir: str) -> dict[str, Any]:
     out["gpus"] = gpus
     out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if gpus else None
     return out
+
+
+def _resolve(host: str) -> list[str]:
+    with contextlib.suppress(OSError):
+        return sorted({ai[4][0] for ai in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
+    return []
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds `address` (an IP, or a name that resolves to this node's IPs), or None.
+
+    gloo and NCCL otherwise pick the address the node's own hostname resolves to, which Debian and
+    Ubuntu map to 127.0.1.1 in /etc/hosts: the peers are then told to connect to loopback."""
+    wanted = set(_resolve(address)) or {address}
+    try:
+        out = subprocess.run(["ip", "-j", "addr", "show"], capture_output=True, text=True, timeout=10, check=True)
+        for link in json.loads(out.stdout):
+            if any(a.get("local") in wanted for a in link.get("addr_info", [])):
+                return link.get("ifname")
+        return None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass
+    # No iproute2: each interface's primary IPv4 address (SIOCGIFADDR).
+    import fcntl
+    import struct
+
+    for _index, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s, contextlib.suppress(OSError):
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            if socket.inet_ntoa(packed[20:24]) in wanted:
+                return name
+    return None
+
+
+def socket_interface(spec: dict[str, Any]) -> None:
+    """Point gloo and NCCL at the interface that carries the node's cluster address (`ifname_for`),
+    unless the spec's environment names one already (the inventory's `interface`)."""
+    env = spec.setdefault("env", {})
+    address = spec.get("ifname_for")
+    if not address or env.get("GLOO_SOCKET_IFNAME") or env.get("NCCL_SOCKET_IFNAME"):
+        return
+    name = interface_of(address)
+    if name:
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = name
+    else:
+        print(f"dtrain: warning: no interface of this node holds {address}; gloo/NCCL pick their own", flush=True)
 
 
 def smi_gpus() -> list[dict[str, Any]]:
@@ -265,6 +315,7 @@ def run() -> int:
     if not line:
         return 2
     spec = json.loads(line)
+    socket_interface(spec)
     if spec.get("container"):
         return run_container(spec)
     grace = float(spec.get("grace_s", DEFAULT_GRACE_S))
@@ -302,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     pi = sub.add_parser("info")
     pi.add_argument("--workdir", default=".")
+    pi.add_argument("--addr", default="", help="the node's cluster address: report the interface that holds it")
     pl = sub.add_parser("listen")
     pl.add_argument("--addr", default="0.0.0.0")
     pl.add_argument("--port", type=int, action="append", required=True)
@@ -312,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("run")
     a = p.parse_args(argv)
     if a.cmd == "info":
-        print(json.dumps(info(a.workdir)), flush=True)
+        print(json.dumps(info(a.workdir, a.addr)), flush=True)
         return 0
     if a.cmd == "listen":
         return listen(a.addr, a.port, a.seconds)

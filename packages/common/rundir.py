@@ -26,6 +26,14 @@ def new_run_id(workload: str, now: datetime.datetime | None = None) -> str:
     return f"{workload}-{now:%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
+def run_location(workload: str, output: str, run_id: str = "") -> tuple[str, Store]:
+    """A new run's id (`run_id`, or a fresh one) and its directory under `output`: the one place that
+    says where a run lives. The launcher calls it and hands the directory down (`--run-dir`); a
+    workload started by a plain torchrun calls it itself."""
+    run_id = run_id or new_run_id(workload)
+    return run_id, open_store(f"{output.rstrip('/')}/{run_id}")
+
+
 def locate(output: str, ref: str) -> Store:
     """The run directory for `--resume REF`: a run id under `output`, or a path / gs:// URL."""
     candidates = [ref] if is_remote(ref) or "/" in ref else [f"{output.rstrip('/')}/{ref}", ref]

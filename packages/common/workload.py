@@ -26,7 +26,7 @@ from dtrain.common.errors import ExitCode, Preempted, UserError
 from dtrain.common.metrics import Reporter, print_error
 from dtrain.common.precision import PrecisionPolicy, device_name, resolve_precision
 from dtrain.common.preempt import PreemptionWatch
-from dtrain.common.rundir import RUN_ID_RE, config_diff, locate, new_run_id, read_json, write_json
+from dtrain.common.rundir import RUN_ID_RE, config_diff, locate, new_run_id, read_json, run_location, write_json
 from dtrain.common.storage import Store, is_remote, open_store
 
 C = TypeVar("C")
@@ -137,9 +137,12 @@ def _open_run(workload: str, cfg: Any, d: Dist, resumed: Store | None) -> tuple[
         run = resumed
         run_id = run.url.rstrip("/").rsplit("/", 1)[-1]
     else:
-        run_id = cfg.run.run_id or (d.env.run_id if RUN_ID_RE.match(d.env.run_id) else "")
-        run_id = run_id or d.broadcast(new_run_id(workload))
-        run = open_store(f"{cfg.run.output.rstrip('/')}/{run_id}")
+        if cfg.run.run_dir:  # the launcher's: where this run lives was worked out once, there
+            run = open_store(cfg.run.run_dir)
+            run_id = run.url.rstrip("/").rsplit("/", 1)[-1]
+        else:  # a plain torchrun: every rank must agree on one new id
+            run_id = cfg.run.run_id or (d.env.run_id if RUN_ID_RE.match(d.env.run_id) else "")
+            run_id, run = run_location(workload, cfg.run.output, run_id or d.broadcast(new_run_id(workload)))
         if d.env.restart_count > 0 and d.broadcast(run.exists("config.json") if d.is_main else None):
             resumed = run
 

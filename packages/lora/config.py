@@ -13,6 +13,8 @@ def required(help: str) -> str:  # noqa: A002 - mirrors opt()
 
 @dataclasses.dataclass(kw_only=True)
 class LoraConfig:
+    """LoRA fine-tuning of a causal LM (transformers + peft); the adapter lands in final/adapter."""
+
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     model: str = required(
         "Hugging Face model id, a local model directory, or a preset: tiny-llama, tiny-gpt2, qwen2.5-0.5b-shape"

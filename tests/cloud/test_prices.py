@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.cli.prices import GPU_HOURLY, MACHINE_HOURLY, PRICES_AS_OF, SPOT_FACTOR, node_price, vcpus
+from dtrain.control.gcp.prices import (
+    GPU_HOURLY,
+    MACHINE_HOURLY,
+    PRICES_AS_OF,
+    PRICES_SOURCE,
+    SPOT_FACTOR,
+    estimate_note,
+    node_price,
+    vcpus,
+)
 
 
 def test_t4_node_adds_gpu_price_to_n1_machine():
@@ -36,5 +45,31 @@ def test_vcpus_from_machine_type(machine, cpus):
     assert vcpus(machine) == cpus
 
 
-def test_table_is_dated():
-    assert PRICES_AS_OF
+def test_every_estimate_says_how_old_and_where_its_prices_are_from():
+    """The note `up` and `status` print under each figure: the table's month (a real one, not in the
+    future) and its sources."""
+    import datetime
+
+    as_of = datetime.datetime.strptime(PRICES_AS_OF, "%Y-%m")
+    assert datetime.datetime(2024, 1, 1) <= as_of <= datetime.datetime.now()
+    for spot in (False, True):
+        note = estimate_note(spot)
+        assert PRICES_AS_OF in note and PRICES_SOURCE in note and note.startswith("estimate: ")
+    assert "Spot" in estimate_note(True) and "Spot" not in estimate_note(False)
+
+
+def test_the_machine_types_dtrain_derives_are_all_priced():
+    """Every machine type Terraform can pick by default (infra/modules/plan/rules.json, and e2-medium for
+    CPU nodes) has a price, so the estimate before `up` is never partial for a default cluster."""
+    from dtrain.control.gcp.rules import rules
+
+    defaults = {"e2-medium"} | {m for a in rules()["accelerators"].values() for m in a["default_machine"].values()}
+    for machine in sorted(defaults):
+        accelerator = next(
+            (n for n, a in rules()["accelerators"].items() if machine in a["default_machine"].values()), ""
+        )
+        gpus = next(
+            (int(c) for a in rules()["accelerators"].values() for c, m in a["default_machine"].items() if m == machine),
+            0,
+        )
+        assert node_price(machine, accelerator, gpus, 100, spot=False).known, machine

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from dtrain.cli.cluster import resolve
-from dtrain.cli.record import key_path, read_record, record_path, remove_record, write_record
-from dtrain.cli.settings import get_cluster, load_settings
 from dtrain.common.errors import UserError
+from dtrain.control.backends import resolve
+from dtrain.control.gcp.record import key_path, read_record, record_path, remove_record, write_record
+from dtrain.control.settings import get_cluster, load_settings
 
 RECORD = {
     "name": "demo",
@@ -120,13 +120,18 @@ def test_gcp_cluster_table_rejects_hosts_keys(config_home, tmp_path, monkeypatch
 
 
 def test_dtrain_build_makes_its_push_the_clusters_default_image(config_home):
-    from dtrain.cli.build_cmd import remember_image
-    from dtrain.cli.record import cluster_dir
+    from dtrain.control.events import Collector
+    from dtrain.control.gcp.record import cluster_dir
+    from dtrain.control.images import remember_image
 
     ref = "us-central1-docker.pkg.dev/proj-123456/dtrain-demo/dtrain-train-gpu@sha256:" + "b" * 64
-    assert not remember_image("demo", ref, gpu=True)  # no record: not a cluster dtrain up made
+    assert not remember_image("demo", ref, gpu=True, events=Collector())  # no record: not a cluster dtrain up made
     write_record(copy.deepcopy(RECORD))  # its nodes have GPUs
-    assert not remember_image("demo", ref.replace("-gpu", ""), gpu=False)  # a CPU image for GPU nodes: no
+    events = Collector()
+    assert not remember_image(
+        "demo", ref.replace("-gpu", ""), gpu=False, events=events
+    )  # a CPU image for GPU nodes: no
     assert not (cluster_dir("demo") / "image").exists()
-    assert remember_image("demo", ref, gpu=True)
+    assert "has GPU nodes: this image is not made its default" in events.events[0].message
+    assert remember_image("demo", ref, gpu=True, events=Collector())
     assert (cluster_dir("demo") / "image").read_text().strip() == ref

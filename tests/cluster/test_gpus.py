@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.cli.cluster_cmd import GpuRow, _gpu_result, parse_gpus
+from dtrain.control.nodes import GpuRow, _gpu_result, parse_gpus
 
 TWO_GPUS = """0, NVIDIA H100 80GB HBM3, 1, 81559, 0, 31, 550.54.15
 1, NVIDIA H100 80GB HBM3, 40213, 81559, 97, 64, 550.54.15

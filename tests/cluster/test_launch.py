@@ -8,6 +8,7 @@ Needs root (skips otherwise; CI runs as root) and Debian's Fashion-MNIST files.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from dtrain.common.errors import ExitCode
 from dtrain.common.rundir import read_json
 from dtrain.common.storage import open_store
 
-from .bed import Testbed
+from .bed import Testbed, ssh_argv
 
 pytestmark = pytest.mark.root
 
@@ -301,3 +302,48 @@ def test_worker_killed_without_restarts_fails_fast(cwd: Path, emulator: str, tes
     assert elapsed < 45, elapsed  # the survivors see the dead peer, or are killed after FAIL_FAST_GRACE_S
     assert "continues from its last complete checkpoint" in text
     assert job_processes(testbed) == {"h0": [], "h1": []}
+
+
+def test_debian_style_hostnames_need_no_interface_key(
+    cwd: Path, emulator: str, testbed: Testbed, known_hosts: Path, tmp_path: Path
+) -> None:
+    """Each host's hostname resolves to 127.0.1.1 (Debian's /etc/hosts, which the test bed gives every
+    namespace) and the inventory names no interface. dtrain finds the interface that holds each node's
+    cluster address: doctor says which, and its 2-rank gloo all-reduce across the hosts passes (the
+    2-node training above runs the same way). A node whose address is on none of its interfaces is
+    named with the cause, in one line."""
+    assert "interface" not in (cwd / "dtrain.toml").read_text()
+    for h in testbed.hosts:
+        r = subprocess.run(
+            ssh_argv(testbed, h, known_hosts) + ["getent hosts $(hostname)"], capture_output=True, text=True
+        )
+        assert r.stdout.split()[0] == "127.0.1.1", r.stdout + r.stderr
+    doc = dtrain(cwd, emulator, "doctor", "--cluster", "bed", "--mib", "8", timeout=180)
+    assert doc.returncode == 0, doc.stdout + doc.stderr
+    text = " ".join(doc.stdout.split())
+    for h in testbed.hosts:
+        assert f"{h.address} is on eth0: gloo/NCCL use it" in text, text
+    assert "gloo, 2 ranks, 8 MiB" in text, text
+
+    # h1 listed at an address it does not hold (reached over SSH at its real one): the cause, named.
+    k = testbed.state["k"]
+    toml = testbed.cluster_toml("bad", sys.executable, known_hosts=known_hosts).replace(
+        f'address = "{testbed.hosts[1].address}"',
+        f'address = "10.213.{k}.99"\nssh_host = "{testbed.hosts[1].address}"',
+    )
+    (tmp_path / "dtrain.toml").write_text(toml)
+    bad = subprocess.run(
+        [*CLI, "doctor", "--cluster", "bad", "--mib", "1"],
+        cwd=tmp_path,
+        env=cli_env(tmp_path, emulator),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert bad.returncode == ExitCode.FAILURE, bad.stdout + bad.stderr
+    errors = [ln for ln in bad.stderr.splitlines() if ln.startswith("error:")]
+    wanted = (
+        rf"error: \d+ check\(s\) failed: first: node h1, interface: no interface holds its address 10\.213\.{k}\.99; "
+        rf"its hostname {re.escape(os.uname().nodename)} resolves to 127\.0\.1\.1"
+    )
+    assert len(errors) == 1 and re.fullmatch(wanted, errors[0]), bad.stderr

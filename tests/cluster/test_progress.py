@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 
-from dtrain.cli.cluster import Cluster, Node
-from dtrain.cli.remote import PROGRESS_PREFIX, Job
 from dtrain.common import metrics
+from dtrain.control.cluster import Cluster, Node
+from dtrain.control.events import Collector, Handle
+from dtrain.control.remote import PROGRESS_PREFIX, Job
 
 
 def test_reporter_emits_progress_lines(monkeypatch, capsys):
@@ -36,7 +37,12 @@ def test_other_ranks_and_plain_runs_emit_nothing(monkeypatch, capsys):
 
 def test_job_keeps_progress_lines_out_of_the_output():
     c = Cluster(name="c", backend="hosts", nodes=(Node(name="n0", address="10.0.0.1", master=True),))
-    job = Job(ssh=None, cluster=c, run_id="r", specs={}, logs=None, echo=False)  # type: ignore[arg-type]
+    events = Collector()
+    job = Job(ssh=None, cluster=c, run_id="r", specs={}, logs=None, events=events, handle=Handle(), echo=False)  # type: ignore[arg-type]
     job._show("n0", PROGRESS_PREFIX + json.dumps({"total": 3, "completed": 1, "description": "train"}))
     job._show("n0", "epoch 1/1: eval accuracy 0.9")
     assert job.output == [("n0", "epoch 1/1: eval accuracy 0.9")]
+    assert [e.as_dict() for e in events.of("progress")] == [
+        {"kind": "progress", "message": "", "time": events.events[0].time, "total": 3, "completed": 1,
+         "description": "train"}
+    ]  # fmt: skip

@@ -50,9 +50,9 @@ def test_cluster_toml(testbed):
         "rdzv_port": 29400, "known_hosts": "/k", "env": env,
     }  # fmt: skip
     assert [n.pop("master", False) for n in nodes] == [True, False]
-    assert nodes == [
-        {"name": h.name, "address": h.address, "workdir": str(h.workdir), "interface": "eth0"} for h in testbed.hosts
-    ]
+    assert nodes == [{"name": h.name, "address": h.address, "workdir": str(h.workdir)} for h in testbed.hosts]
+    with_nic = tomllib.loads(testbed.cluster_toml("b", "py", interface="eth0"))["clusters"]["b"]["nodes"]
+    assert [n["interface"] for n in with_nic] == ["eth0", "eth0"]
     assert "env" not in tomllib.loads(testbed.cluster_toml("b", "py"))["clusters"]["b"]
 
 

@@ -19,8 +19,8 @@ import imagetest as d
 import pytest
 from runs import isolated_env
 
-from dtrain.cli import build_cmd
 from dtrain.common.errors import ExitCode
+from dtrain.control import images as build_cmd
 
 REPO = d.REPO
 
@@ -126,7 +126,7 @@ def test_registry_needed_and_checked(tmp_path: Path) -> None:
 
 
 def test_registry_from_the_cluster_record(tmp_path: Path) -> None:
-    from dtrain.cli.record import write_record
+    from dtrain.control.gcp.record import write_record
 
     env = isolated_env(tmp_path, XDG_CONFIG_HOME=str(tmp_path / "config"))
     os.environ["XDG_CONFIG_HOME"], old = str(tmp_path / "config"), os.environ.get("XDG_CONFIG_HOME")
@@ -155,10 +155,12 @@ def test_registry_from_the_cluster_record(tmp_path: Path) -> None:
     p = subprocess.run(
         [*d.CLI, "build", "--cluster", "demo"], cwd=tmp_path, env=env, capture_output=True, text=True, check=False
     )
-    if "unknown key" in p.stderr or "gcp_config" in p.stderr:
-        pytest.skip(f"the gcp cluster table is not readable here yet: {p.stderr.strip()[-200:]}")
     assert p.returncode == ExitCode.USAGE, p.stdout + p.stderr
-    assert error_line(p).startswith("error: no Google credentials to push to us-central1-docker.pkg.dev: run `gcloud")
+    key = tmp_path / "missing-key.json"
+    assert error_line(p).startswith(
+        f"error: GOOGLE_APPLICATION_CREDENTIALS={key} is not a usable credentials file to push to "
+        "us-central1-docker.pkg.dev ("
+    )
 
 
 def test_google_registry_without_credentials(tmp_path: Path) -> None:
@@ -166,8 +168,18 @@ def test_google_registry_without_credentials(tmp_path: Path) -> None:
     p = dtrain_build("--registry", "europe-west4-docker.pkg.dev/proj/repo", env=env)
     assert p.returncode == ExitCode.USAGE
     assert error_line(p) == (
-        "error: no Google credentials to push to europe-west4-docker.pkg.dev: run `gcloud auth application-default "
-        "login` (or set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file), or build with --no-push"
+        f"error: GOOGLE_APPLICATION_CREDENTIALS={tmp_path / 'missing-key.json'} is not a usable credentials file to "
+        "push to europe-west4-docker.pkg.dev (DefaultCredentialsError): point it at a service-account key file, or "
+        "unset it and run gcloud auth application-default login, or build with --no-push"
+    )
+    no_adc = isolated_env(
+        tmp_path, HOME=str(tmp_path), CLOUDSDK_CONFIG=str(tmp_path / "gcloud"), GCE_METADATA_HOST="127.0.0.1:9"
+    )
+    p = dtrain_build("--registry", "europe-west4-docker.pkg.dev/proj/repo", env=no_adc)
+    assert p.returncode == ExitCode.USAGE
+    assert error_line(p) == (
+        "error: no Google credentials to push to europe-west4-docker.pkg.dev: run gcloud auth application-default "
+        "login (or set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file), or build with --no-push"
     )
 
 

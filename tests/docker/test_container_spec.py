@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 from runs import cli, isolated_env
 
-from dtrain.cli.cluster import Cluster, Node, hosts_cluster
-from dtrain.cli.remote import container_name, job_spec, node_paths
 from dtrain.common.errors import ExitCode, UserError
 from dtrain.common.nodeagent import container_argv
+from dtrain.control.backends.hosts import hosts_cluster
+from dtrain.control.cluster import Cluster, Node
+from dtrain.control.remote import container_name, job_spec, node_paths
 
 
 def cluster(image: str = "reg.example/p/dtrain-train:src-0123456789ab") -> Cluster:

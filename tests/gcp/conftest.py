@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("google.cloud.compute_v1", reason="needs google-cloud-compute (pip install 'dtrain[gcp]')")
 
-from dtrain.cli import gcp as gcp_mod  # noqa: E402
+from dtrain.control.gcp import api as gcp_mod  # noqa: E402
 
 from .compute_fake import ComputeWorld, FakeComputeServer  # noqa: E402
 

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from dtrain.cli.gcp import Gcp, delete_leftovers, find_leftovers
+from dtrain.control.gcp.api import Gcp, delete_leftovers, find_leftovers
 
 from .conftest import PROJECT, REGION
 

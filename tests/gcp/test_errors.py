@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 
-from dtrain.cli import gcp as gcp_mod
-from dtrain.cli.gcp import Gcp, api_error, find_leftovers, node_states, preflight
 from dtrain.common.errors import ExitCode, UserError
+from dtrain.control.gcp import api as gcp_mod
+from dtrain.control.gcp.api import Gcp, api_error, find_leftovers, node_states, preflight
 
 from .compute_fake import error_body, permission_denied, service_disabled
 from .conftest import PROJECT, REGION
@@ -188,7 +188,7 @@ def test_adc_without_a_project(tmp_path, monkeypatch):
 def _connect_in_subprocess(env: dict) -> subprocess.CompletedProcess:
     # A child process, because google-auth reads NO_GCE_CHECK once, at import.
     code = textwrap.dedent("""
-        from dtrain.cli.gcp import Gcp
+        from dtrain.control.gcp.api import Gcp
         from dtrain.common.errors import UserError
         try:
             Gcp.connect("p")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.cli.gcp import preflight
 from dtrain.common.errors import ExitCode, UserError
+from dtrain.control.gcp.api import preflight
 
 from .conftest import PROJECT, REGION
 

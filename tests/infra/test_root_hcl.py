@@ -220,8 +220,8 @@ def test_root_module(check, root: Module, plan: Module):
 
 
 def test_record_fields_match_cli(root: Module):
-    # The CLI's validator (cli/record.py) must accept what the output produces.
-    record = pytest.importorskip("dtrain.cli.record", reason="needs dtrain installed (pip install -e .)")
+    # The CLI's validator (dtrain.control.gcp.record) must accept what the output produces.
+    record = pytest.importorskip("dtrain.control.gcp.record", reason="needs dtrain installed (pip install -e .)")
     assert set(record.RECORD_FIELDS) <= RECORD_KEYS
     assert set(record.NODE_FIELDS) <= NODE_KEYS
 

@@ -1,43 +1,18 @@
 locals {
-  # GPU models dtrain can place, and how each attaches to a VM (source: cloud.google.com/compute/docs/gpus).
-  # - T4 is attached to an N1 general-purpose VM; 1, 2 or 4 per VM, and the VM's vCPUs are capped by
-  #   the GPU count (1 or 2 GPUs: up to 48 vCPUs; 4 GPUs: up to 96).
-  # - L4 exists only on the G2 accelerator-optimized series, where the machine type fixes the GPU
-  #   count (g2-standard-4/8/12/16/32: 1; g2-standard-24: 2; g2-standard-48: 4; g2-standard-96: 8).
-  # To add A100 or H100, add an entry with families = ["a2"] / ["a3"] and their fixed_counts
-  # (e.g. "a2-highgpu-1g" = 1, "a3-highgpu-8g" = 8), plus a default_machine per count.
-  accelerators = {
-    "nvidia-tesla-t4" = {
-      families        = ["n1"]
-      fixed_counts    = {}
-      allowed_counts  = [1, 2, 4]
-      max_vcpus       = { "1" = 48, "2" = 48, "4" = 96 }
-      default_machine = { "1" = "n1-standard-4", "2" = "n1-standard-8", "4" = "n1-standard-16" }
-    }
-    "nvidia-l4" = {
-      families = ["g2"]
-      fixed_counts = {
-        "g2-standard-4"  = 1
-        "g2-standard-8"  = 1
-        "g2-standard-12" = 1
-        "g2-standard-16" = 1
-        "g2-standard-24" = 2
-        "g2-standard-32" = 1
-        "g2-standard-48" = 4
-        "g2-standard-96" = 8
-      }
-      allowed_counts = [1, 2, 4, 8]
-      max_vcpus      = {}
-      # g2-standard-8 for one GPU rather than -4: 8 vCPUs / 32 GB keep a data loader fed.
-      default_machine = { "1" = "g2-standard-8", "2" = "g2-standard-24", "4" = "g2-standard-48", "8" = "g2-standard-96" }
-    }
-  }
+  # dtrain's rules (accelerators and how each attaches to a VM, name and size limits) live once, in
+  # rules.json, which the Python CLI reads too; see its _comment for the sources. g2-standard-8 is
+  # L4's one-GPU default rather than -4: 8 vCPUs / 32 GB keep a data loader fed.
+  rules        = jsondecode(file("${path.module}/rules.json"))
+  accelerators = local.rules.accelerators
+
+  # "" (the default) is the rules' default accelerator.
+  accelerator_type = var.accelerator_type != "" ? var.accelerator_type : local.rules.default_accelerator
 
   # Machine series whose machine types come with GPUs attached; a CPU node must not use them.
   gpu_families = toset(flatten([for a in values(local.accelerators) : length(a.fixed_counts) > 0 ? a.families : []]))
 
   gpu         = var.use_gpu
-  accelerator = local.gpu ? local.accelerators[var.accelerator_type] : null
+  accelerator = local.gpu ? local.accelerators[local.accelerator_type] : null
 
   # CPU nodes default to e2-medium: enough for gloo tests and small runs, and the cheapest type that
   # is not shared-core throttled for minutes at a time.
@@ -55,7 +30,7 @@ locals {
 
   gpus = local.gpu ? var.gpus_per_node : 0
   guest_accelerators = local.gpu ? [{
-    type  = var.accelerator_type
+    type  = local.accelerator_type
     count = var.gpus_per_node
   }] : []
 
@@ -112,7 +87,7 @@ resource "terraform_data" "gpu_machine_family" {
   lifecycle {
     precondition {
       condition     = !local.count_ok || local.family_ok
-      error_message = "accelerator ${var.accelerator_type} cannot be attached to ${local.machine_type}: it needs a ${join("/", local.gpu ? local.accelerator.families : [])} machine type (T4 attaches to n1-*, L4 exists only on g2-standard-*)."
+      error_message = "accelerator ${local.accelerator_type} cannot be attached to ${local.machine_type}: it needs a ${join("/", local.gpu ? local.accelerator.families : [])} machine type (T4 attaches to n1-*, L4 exists only on g2-standard-*)."
     }
   }
 }
@@ -121,7 +96,7 @@ resource "terraform_data" "gpu_count" {
   lifecycle {
     precondition {
       condition     = local.count_ok
-      error_message = "gpus_per_node = ${var.gpus_per_node} is not offered for ${var.accelerator_type}: choose one of ${join(", ", local.gpu ? [for n in local.accelerator.allowed_counts : tostring(n)] : [])}."
+      error_message = "gpus_per_node = ${var.gpus_per_node} is not offered for ${local.accelerator_type}: choose one of ${join(", ", local.gpu ? [for n in local.accelerator.allowed_counts : tostring(n)] : [])}."
     }
   }
 }
@@ -133,7 +108,7 @@ resource "terraform_data" "gpu_fixed_count" {
         !local.gpu || !local.count_ok || !local.family_ok || length(local.accelerator.fixed_counts) == 0 ||
         lookup(local.accelerator.fixed_counts, local.machine_type, -1) == var.gpus_per_node
       )
-      error_message = "machine type ${local.machine_type} carries ${try(tostring(local.accelerator.fixed_counts[local.machine_type]), "no")} ${var.accelerator_type} GPU(s), not gpus_per_node = ${var.gpus_per_node}; leave machine_type empty to derive the matching type."
+      error_message = "machine type ${local.machine_type} carries ${try(tostring(local.accelerator.fixed_counts[local.machine_type]), "no")} ${local.accelerator_type} GPU(s), not gpus_per_node = ${var.gpus_per_node}; leave machine_type empty to derive the matching type."
     }
   }
 }
@@ -145,7 +120,7 @@ resource "terraform_data" "gpu_vcpus" {
         !local.gpu || !local.count_ok || !local.family_ok || length(local.accelerator.max_vcpus) == 0 || local.machine_vcpus == null ||
         local.machine_vcpus <= lookup(local.accelerator.max_vcpus, tostring(var.gpus_per_node), 0)
       )
-      error_message = "${local.machine_type} has too many vCPUs for ${var.gpus_per_node} x ${var.accelerator_type} (at most ${try(tostring(local.accelerator.max_vcpus[tostring(var.gpus_per_node)]), "?")})."
+      error_message = "${local.machine_type} has too many vCPUs for ${var.gpus_per_node} x ${local.accelerator_type} (at most ${try(tostring(local.accelerator.max_vcpus[tostring(var.gpus_per_node)]), "?")})."
     }
   }
 }

@@ -10,7 +10,7 @@ output "machine_family" {
 
 output "accelerator" {
   description = "GPU model on each node, \"\" for CPU nodes."
-  value       = local.gpu ? var.accelerator_type : ""
+  value       = local.gpu ? local.accelerator_type : ""
 }
 
 output "gpus" {

@@ -35,8 +35,8 @@ variable "cluster_name" {
   type        = string
   description = "Name of the cluster; prefixes every resource and is the dtrain-cluster label. 2-23 characters so the service account ID (dtrain-NAME) fits in 30."
   validation {
-    condition     = can(regex("^[a-z]([-a-z0-9]{0,21}[a-z0-9])$", var.cluster_name))
-    error_message = "cluster_name must be 2-23 characters: lowercase letters, digits and hyphens, starting with a letter and not ending with a hyphen."
+    condition     = can(regex(local.rules.cluster_name.pattern, var.cluster_name))
+    error_message = "cluster_name must be ${local.rules.cluster_name.min_length}-${local.rules.cluster_name.max_length} characters: lowercase letters, digits and hyphens, starting with a letter and not ending with a hyphen."
   }
 }
 
@@ -44,8 +44,8 @@ variable "worker_count" {
   type        = number
   description = "Number of worker nodes besides the master (0 = a single-node cluster)."
   validation {
-    condition     = var.worker_count >= 0 && var.worker_count <= 63 && floor(var.worker_count) == var.worker_count
-    error_message = "worker_count must be a whole number from 0 to 63."
+    condition     = var.worker_count >= local.rules.worker_count.min && var.worker_count <= local.rules.worker_count.max && floor(var.worker_count) == var.worker_count
+    error_message = "worker_count must be a whole number from ${local.rules.worker_count.min} to ${local.rules.worker_count.max}."
   }
 }
 
@@ -56,14 +56,10 @@ variable "use_gpu" {
 
 variable "accelerator_type" {
   type        = string
-  description = "GPU model when use_gpu is true: nvidia-tesla-t4 (on N1) or nvidia-l4 (on G2)."
+  description = "GPU model when use_gpu is true: nvidia-tesla-t4 (on N1) or nvidia-l4 (on G2); \"\" is modules/plan/rules.json's default_accelerator."
   validation {
-    condition     = can(regex("^nvidia-[a-z0-9-]+$", var.accelerator_type))
-    error_message = "accelerator_type must be a GCP accelerator type name such as nvidia-l4."
-  }
-  validation {
-    condition     = contains(keys(local.accelerators), var.accelerator_type)
-    error_message = "accelerator_type must be one of the models dtrain knows: nvidia-tesla-t4, nvidia-l4."
+    condition     = var.accelerator_type == "" || contains(keys(local.rules.accelerators), var.accelerator_type)
+    error_message = "accelerator_type must be \"\" (the default, ${local.rules.default_accelerator}) or one of the models dtrain knows: ${join(", ", keys(local.rules.accelerators))}."
   }
 }
 
@@ -103,8 +99,8 @@ variable "disk_size_gb" {
   type        = number
   description = "Boot disk size of each node in GB (Deep Learning VM images need at least 50)."
   validation {
-    condition     = var.disk_size_gb >= 10 && var.disk_size_gb <= 65536 && floor(var.disk_size_gb) == var.disk_size_gb
-    error_message = "disk_size_gb must be a whole number from 10 to 65536."
+    condition     = var.disk_size_gb >= local.rules.disk_size_gb.min && var.disk_size_gb <= local.rules.disk_size_gb.max && floor(var.disk_size_gb) == var.disk_size_gb
+    error_message = "disk_size_gb must be a whole number from ${local.rules.disk_size_gb.min} to ${local.rules.disk_size_gb.max}."
   }
 }
 

@@ -29,10 +29,9 @@ from contextlib import contextmanager, suppress
 from typing import Any
 
 from dtrain.common.errors import ExitCode, UserError
+from dtrain.control.gcp.auth import default_credentials, google_module
 
-INSTALL_HINT = "pip install 'dtrain[gcp]'"
 CLUSTER_LABEL = "dtrain-cluster"
-SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 QUOTA_PAGE = "https://console.cloud.google.com/iam-admin/quotas?project={project}"
 
 # Bounds on waiting for one Compute operation (a delete): each `wait` call returns after at most
@@ -78,26 +77,6 @@ ROLE_FOR_PERMISSION = (
 # Clients and credentials
 
 
-def _import(what: str) -> Any:
-    """One google module, or a UserError with the install hint."""
-    try:
-        if what == "compute":
-            from google.cloud import compute_v1
-
-            return compute_v1
-        if what == "storage":
-            from google.cloud import storage
-
-            return storage
-        import google.auth
-
-        return google.auth
-    except ImportError as e:
-        raise UserError(
-            f"the gcp backend needs the Google Cloud libraries ({e.name} is missing): {INSTALL_HINT}"
-        ) from None
-
-
 class Gcp:
     """One project's credentials and its Compute Engine / Cloud Storage clients (made on first use).
 
@@ -132,26 +111,9 @@ class Gcp:
         """Resolve credentials (given, else Application Default Credentials) and the project
         (given, else ADC's, else GOOGLE_CLOUD_PROJECT): a one-line UserError saying what to do if
         either is missing. `cluster` only names the dtrain.toml table in that message."""
-        auth = _import("auth")
-        from google.auth import exceptions as auth_exceptions
-
         adc_project = None
         if credentials is None:
-            try:
-                credentials, adc_project = auth.default(scopes=list(SCOPES))
-            except auth_exceptions.DefaultCredentialsError as e:
-                # Never the library's message: for a malformed key file it can quote the contents.
-                key_file = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
-                if key_file:
-                    raise UserError(
-                        f"GOOGLE_APPLICATION_CREDENTIALS={key_file} is not a usable credentials file "
-                        f"({type(e).__name__}): point it at a service-account key file, or unset it and run "
-                        "gcloud auth application-default login"
-                    ) from None
-                raise UserError(
-                    "no Google credentials: run gcloud auth application-default login "
-                    "(or set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file)"
-                ) from None
+            credentials, adc_project = default_credentials()
         if not project:
             project = adc_project or os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("CLOUDSDK_CORE_PROJECT")
         if not project:
@@ -165,7 +127,7 @@ class Gcp:
         """A compute_v1 client by class name ("InstancesClient", "RegionsClient", ...)."""
         client = self._clients.get(name)
         if client is None:
-            compute_v1 = _import("compute")
+            compute_v1 = google_module("compute")
             options = {"api_endpoint": self.endpoint} if self.endpoint else None
             client = getattr(compute_v1, name)(credentials=self.credentials, client_options=options)
             self._clients[name] = client
@@ -174,7 +136,7 @@ class Gcp:
     def storage(self) -> Any:
         client = self._clients.get("storage")
         if client is None:
-            storage = _import("storage")
+            storage = google_module("storage")
             options = {"api_endpoint": self.storage_endpoint} if self.storage_endpoint else None
             client = storage.Client(project=self.project, credentials=self.credentials, client_options=options)
             self._clients["storage"] = client

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dtrain.cli.cluster import Cluster, Node
 from dtrain.common.errors import UserError
+from dtrain.control.cluster import Cluster, Node
 
 T = TypeVar("T")
 SSH_FAILED = 255  # ssh's own exit status for its failures (not the remote command's)

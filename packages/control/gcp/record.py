@@ -31,7 +31,7 @@ RECORD_FIELDS = {"name": str, "zone": str, "bucket": str, "ssh_user": str, "node
 
 
 def cluster_dir(name: str) -> Path:
-    from dtrain.cli.cluster import config_dir
+    from dtrain.control.cluster import config_dir
 
     return config_dir() / "clusters" / name
 

@@ -1,0 +1,110 @@
+"""The `gcp` backend: a cluster dtrain makes on Google Cloud with Terraform (infra/). Its node list is the
+cluster record `dtrain up` wrote from Terraform's `cluster` output; up, down, status and preflight are
+dtrain.control.gcp.lifecycle."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dtrain.common.errors import UserError
+from dtrain.control.backends import where
+from dtrain.control.cluster import Cluster, Node, check_image, check_keys
+
+if TYPE_CHECKING:
+    from dtrain.control.settings import ClusterConfig
+
+# A record's node may also set these (an image whose Python is elsewhere, a second NIC for NCCL).
+RECORD_NODE_OVERRIDES = ("python", "workdir", "interface")
+
+
+def _built_image(name: str) -> str:
+    """The image `dtrain build --cluster NAME` last pushed for this cluster, or ""."""
+    from dtrain.control.gcp.record import cluster_dir
+
+    try:
+        return (cluster_dir(name) / "image").read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
+class Gcp:
+    name = "gcp"
+    provisions = True
+
+    @property
+    def keys(self) -> frozenset[str]:
+        from dtrain.control.gcp.spec import GCP_KEYS
+
+        return frozenset(GCP_KEYS)
+
+    def check(self, cfg: ClusterConfig) -> None:
+        check_keys(cfg.spec, set(self.keys), where(cfg))
+
+    def cluster(self, cfg: ClusterConfig) -> Cluster:
+        """The nodes `dtrain up` recorded from Terraform's `cluster` output."""
+        from dtrain.control.gcp.record import cluster_dir, key_path, read_record
+        from dtrain.control.gcp.spec import gcp_spec
+
+        name = cfg.name
+        gs = gcp_spec(name, cfg.spec, where(cfg))
+        rec = read_record(name)
+        if rec is None:
+            raise UserError(
+                f"cluster {name!r} is not up (no record of it on this machine): run dtrain up --cluster {name}"
+            )
+        key = key_path(name)
+        if not key.is_file():
+            raise UserError(f"cluster {name!r}: its SSH key {key} is missing: run dtrain up --cluster {name} again")
+        nodes = tuple(
+            Node(
+                name=n["name"],
+                address=n["internal_ip"],
+                ssh_host=n["external_ip"] or n["internal_ip"],
+                user=rec["ssh_user"],
+                key=str(key),
+                gpus=n["gpus"],
+                master=n["role"] == "master",
+                **{k: n[k] for k in RECORD_NODE_OVERRIDES if n.get(k)},
+            )
+            for n in sorted(rec["nodes"], key=lambda n: n["role"] != "master")
+        )
+        image = check_image(gs.image, where(cfg)) if gs.image else _built_image(name)
+        return Cluster(
+            name=name,
+            backend="gcp",
+            image=image,
+            nodes=nodes,
+            rdzv_port=gs.rdzv_port,
+            rdzv_timeout=gs.rdzv_timeout,
+            known_hosts=cluster_dir(name) / "known_hosts",
+            env=dict(gs.env),
+            default_output=f"{rec['bucket'].rstrip('/')}/runs",
+            # infra/'s images have Docker but no torch: jobs run from an image, unless the record names
+            # a Python for the nodes (nodes prepared by hand, or the tests' stand-in).
+            needs_image=not any(n.get("python") for n in rec["nodes"]),
+        )
+
+    # Lifecycle: dtrain.control.gcp.lifecycle, imported when used (it pulls in the Google libraries).
+
+    def preflight(self, cfg: ClusterConfig, **kw: Any) -> Any:
+        from dtrain.control.gcp import lifecycle
+
+        return lifecycle.preflight(cfg, **kw)
+
+    def up(self, cfg: ClusterConfig, **kw: Any) -> Any:
+        from dtrain.control.gcp import lifecycle
+
+        return lifecycle.up(cfg, **kw)
+
+    def down(self, cfg: ClusterConfig, **kw: Any) -> Any:
+        from dtrain.control.gcp import lifecycle
+
+        return lifecycle.down(cfg, **kw)
+
+    def status(self, cfg: ClusterConfig, **kw: Any) -> Any:
+        from dtrain.control.gcp import lifecycle
+
+        return lifecycle.status(cfg, **kw)
+
+
+BACKEND = Gcp()

@@ -1,0 +1,142 @@
+"""Start a workload where the settings say: on this machine, or on every node of a cluster.
+
+    result = launch(LaunchRequest(workload="mnist", flags={"mnist.epochs": 3}), events=Events(), handle=Handle())
+
+The request carries what the user gave (settings keys -> values; None: not given); the settings
+are resolved here, once, with a resumed run's saved config beneath the file, environment and
+flags. The cluster's backend decides how the job starts (its Cluster's `launcher`). Progress comes
+as events, stopping goes through the handle, and the job's exit code comes back in the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dtrain.common.errors import ExitCode, UserError
+from dtrain.control.events import Events, Handle
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchRequest:
+    workload: str
+    flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # settings key -> value or None
+    config_path: Path | None = None  # --config; None: ./dtrain.toml if there is one
+    image: str = ""  # run in this Docker image on every node of the cluster (container mode)
+    accept_new_host_keys: bool = False
+    oversubscribe: bool = False  # allow more processes than cores (or GPUs)
+    tty: bool = False  # the job's output goes to a terminal: rank 0 draws a live progress bar
+    debug: bool = False  # keep torchrun's own logs
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchResult:
+    workload: str
+    run_id: str
+    url: str  # the run's directory or gs:// URL
+    exit_code: int
+    cluster: str  # "" for this machine
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == ExitCode.OK
+
+
+def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResult:
+    """Resolve the settings and run the workload to its end; returns the job's exit code."""
+    from dtrain.common.rundir import locate, read_json
+    from dtrain.control import backends
+    from dtrain.control.settings import DEFAULT, get_cluster, load_settings
+
+    workload = req.workload
+    settings = load_settings(req.config_path, req.flags)
+    cfg = get_cluster(settings)
+    cluster = backends.get(cfg.backend).cluster(cfg)
+    output = settings.run.output
+    if cluster.default_output and settings.source("run.output") == DEFAULT:
+        output = cluster.default_output  # a gcp cluster's runs go to its bucket
+    if cluster.launcher == "local" and req.image:
+        raise UserError(
+            "--image runs the job in containers on a cluster's nodes: add --cluster NAME (a hosts or gcp cluster); "
+            "on this machine use `docker compose --profile cpu up` or docker run (see compose.yaml)"
+        )
+    if cluster.needs_image and not (req.image or cluster.image):
+        raise UserError(
+            f"cluster {cluster.name!r} has no training image: run dtrain build --cluster {cluster.name} (it "
+            f'builds and pushes to the cluster\'s registry), or set image = "..." in [clusters.{cluster.name}], '
+            "or pass --image"
+        )
+    resumed = None
+    if settings.run.resume:
+        # The run's own config sits beneath the file, environment and flags.
+        resumed = locate(output, settings.run.resume)
+        saved = read_json(resumed, "config.json") or {}
+        if saved.get("workload", workload) != workload:
+            raise UserError(f"run {resumed.url} is a {saved['workload']} run: use `dtrain train {saved['workload']}`")
+        flat = saved.get("config") or {}
+        settings = load_settings(req.config_path, req.flags, saved=(f"{resumed.url}/config.json", workload, flat))
+    settings.workload(workload)  # validate the whole workload config before starting anything
+
+    if cluster.launcher == "local":
+        from dtrain.control.local import plan_local, run_local
+
+        plan = plan_local(
+            workload,
+            settings.explicit(workload),
+            nproc=settings.launch.nproc,
+            max_restarts=settings.launch.max_restarts,
+            output=settings.run.output,
+            resumed=resumed,
+            oversubscribe=req.oversubscribe,
+            tty=req.tty,
+            debug=req.debug,
+        )
+        verb = "resuming" if plan.resuming else "starting"
+        events.emit(
+            "launch",
+            f"{verb} {workload} run {plan.run_id} on this machine: {plan.nproc} process(es) x {plan.threads} thread(s)",
+            run_id=plan.run_id,
+            workload=workload,
+            nodes=1,
+            nproc=plan.nproc,
+        )
+        code = run_local(plan, handle=handle)
+        return LaunchResult(workload, plan.run_id, plan.run.url, code, "")
+
+    from dtrain.control.remote import launch_cluster
+
+    code, run, run_id = launch_cluster(
+        workload,
+        settings.explicit(workload),
+        cluster=cluster,
+        nproc=settings.launch.nproc,
+        max_restarts=settings.launch.max_restarts,
+        output=output,
+        resumed=resumed,
+        accept_new_host_keys=req.accept_new_host_keys,
+        events=events,
+        handle=handle,
+        image=req.image,
+        oversubscribe=req.oversubscribe,
+        debug=req.debug,
+    )
+    return LaunchResult(workload, run_id, run.url, code, cluster.name)
+
+
+def next_step(result: LaunchResult) -> str:
+    """What to tell the user after the job ended: where the run is, or how to continue it."""
+    w, r = result.workload, result.run_id
+    if result.exit_code == ExitCode.OK:
+        return f"run {r} completed: {result.url} (config.json, metrics.jsonl, checkpoints/, final/)"
+    if result.exit_code == ExitCode.PREEMPTED:
+        return f"run {r} stopped after a checkpoint: resume with `dtrain train {w} --resume {r}`"
+    if result.exit_code == ExitCode.INTERRUPTED:
+        return f"run {r} interrupted: `dtrain train {w} --resume {r}` continues from its last checkpoint"
+    if result.exit_code == ExitCode.USAGE:
+        return ""
+    return (
+        f"run {r} failed (exit {result.exit_code}); logs above. `dtrain train {w} --resume {r}` continues "
+        "from its last complete checkpoint"
+    )

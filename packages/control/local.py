@@ -1,0 +1,225 @@
+"""Launch a workload on this machine: torchrun on localhost, one process per GPU (or a couple of CPU
+processes), the run directory under --output, and the job's exit code as ours.
+
+Stopping: the caller's Handle (dtrain.control.events) is polled; INTERRUPT and TERMINATE are sent
+to torchrun as SIGINT and SIGTERM, which forwards them to the workers (SIGTERM: they checkpoint and
+exit PREEMPTED). If the job has not ended SHUTDOWN_GRACE_S later, or on KILL, its process group is
+killed. torchrun runs in a session of its own and gets SIGTERM from the kernel if this process dies
+(PR_SET_PDEATHSIG), and its workers get SIGKILL if it dies (dtrain.common.launch): no process of the
+job outlives the launcher, however the launcher ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.procs import dies_with_parent
+from dtrain.common.rundir import read_json, run_location, write_json
+from dtrain.common.storage import Store
+from dtrain.control.events import Handle, Stop
+
+SHUTDOWN_GRACE_S = 45.0  # torchrun gives workers 30 s after SIGTERM; GCP gives ~30 s before stop
+POLL_S = 0.2
+# --oversubscribe lifts the one-process-per-core (or per-GPU) limit up to this many per core: past
+# it a machine spends its time switching processes and its memory on copies of torch.
+MAX_PROCS_PER_CORE = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalPlan:
+    run_id: str
+    run: Store
+    nproc: int
+    threads: int
+    command: list[str]
+    env: dict[str, str]
+    resuming: bool
+
+
+def count_gpus() -> int:
+    """GPUs visible to this machine, without importing torch: ask nvidia-smi."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return 0
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    n = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return min(n, len([v for v in visible.split(",") if v.strip()])) if visible else n
+
+
+def auto_nproc(gpus: int, cpus: int) -> int:
+    """One process per GPU; on CPU, two processes (real DDP) when there are two cores or more,
+    each with half the cores as threads."""
+    if gpus:
+        return gpus
+    return 2 if cpus >= 2 else 1
+
+
+def processes(nproc: int, *, gpus: int, cpus: int, oversubscribe: bool, where: str = "this machine") -> int:
+    """The processes to start per node: `nproc` (0: auto), refused past one per GPU (with GPUs) or one
+    per core (without), unless `oversubscribe`; never past MAX_PROCS_PER_CORE per core."""
+    if not nproc:
+        return auto_nproc(gpus, cpus)
+    ceiling = MAX_PROCS_PER_CORE * cpus
+    if oversubscribe:
+        if nproc > ceiling:
+            raise UserError(
+                f"--nproc {nproc} is more than {MAX_PROCS_PER_CORE} processes per core even with --oversubscribe "
+                f"({where} has {cpus} cores): use --nproc {ceiling} or fewer"
+            )
+        return nproc
+    limit, unit = (gpus, "GPU(s)") if gpus else (cpus, "CPU core(s)")
+    if nproc > limit:
+        raise UserError(
+            f"--nproc {nproc} is more processes than {where}'s {limit} {unit}: use --nproc {limit} or fewer, "
+            "or add --oversubscribe to run more anyway"
+        )
+    return nproc
+
+
+def run_target(
+    workload: str, workload_args: Mapping[str, Any], output: str, resumed: Store | None
+) -> tuple[str, Store, dict[str, Any]]:
+    """The run's id and directory, worked out once here and passed down: the workload receives the
+    directory itself (`--run-dir`), and `--resume` when it continues one."""
+    if resumed is not None:
+        run_id = resumed.url.rstrip("/").rsplit("/", 1)[-1]
+        return run_id, resumed, {**workload_args, "output": output, "resume": resumed.url, "run_dir": resumed.url}
+    run_id, run = run_location(workload, output, workload_args.get("run_id") or "")
+    return run_id, run, {**workload_args, "output": output, "run_id": run_id, "run_dir": run.url}
+
+
+def plan_local(
+    workload: str,
+    workload_args: Mapping[str, Any],
+    *,
+    nproc: int,
+    max_restarts: int,
+    output: str,
+    resumed: Store | None,
+    oversubscribe: bool = False,
+    tty: bool = False,
+    debug: bool = False,
+) -> LocalPlan:
+    """`resumed`: the run directory being continued (already located), or None for a new run.
+    `tty`: the caller's output is a terminal (rank 0 then draws a live progress bar)."""
+    from dtrain.common.config import to_argv
+
+    if importlib.util.find_spec("torch") is None:
+        raise UserError(
+            f"training on this machine needs torch, which this Python ({sys.executable}) lacks: "
+            "pip install 'dtrain[train]' (scripts/setup.sh does it), or train on a cluster with --cluster NAME"
+        )
+    gpus = count_gpus()
+    cpus = os.cpu_count() or 1
+    n = processes(nproc, gpus=gpus, cpus=cpus, oversubscribe=oversubscribe)
+    run_id, run, args = run_target(workload, workload_args, output, resumed)
+    threads = max(1, cpus // n)  # OMP threads per process: the cores shared out, never oversubscribed
+    command = [
+        sys.executable,
+        "-m",
+        "dtrain.common.launch",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(n),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "localhost:0",
+        "--rdzv-id",
+        run_id,
+        "--max-restarts",
+        str(max_restarts),
+        "-m",
+        f"dtrain.{workload}.train",
+        *to_argv(args),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    env["DTRAIN_INTERNAL_TTY"] = "1" if tty else "0"
+    if debug:
+        env["DTRAIN_DEBUG"] = "1"
+    return LocalPlan(run_id, run, n, threads, command, env, resuming=resumed is not None)
+
+
+def run_local(plan: LocalPlan, *, handle: Handle) -> int:
+    """Run the plan to the end; returns the job's exit code (see ExitCode). The job's output goes
+    to this process's own stdout and stderr."""
+    proc = subprocess.Popen(
+        plan.command, env=plan.env, start_new_session=True, preexec_fn=dies_with_parent(signal.SIGTERM)
+    )
+    forwarded: list[int] = []
+    deadline = float("inf")
+    try:
+        while proc.poll() is None:
+            for stop in handle.take():
+                if stop == Stop.KILL:
+                    _kill_group(proc, signal.SIGKILL)
+                    continue
+                signum = signal.SIGINT if stop == Stop.INTERRUPT else signal.SIGTERM
+                forwarded.append(signum)
+                deadline = min(deadline, time.monotonic() + SHUTDOWN_GRACE_S)
+                _kill_group(proc, signum)
+            if time.monotonic() > deadline:
+                _kill_group(proc, signal.SIGKILL)
+                proc.wait()
+                break
+            time.sleep(POLL_S)
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc, signal.SIGKILL)
+            proc.wait()
+    return outcome(plan.run, proc.returncode, forwarded)
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+def outcome(run: Store, code: int, forwarded: Sequence[int]) -> int:
+    """The job's exit code, reconciled with what the workload recorded in status.json: a SIGTERM'd
+    torchrun exits 143 even though its workers checkpointed and exited PREEMPTED."""
+    status = read_json(run, "status.json") or {}
+    state = status.get("state")
+    if state == "preempted":
+        return int(ExitCode.PREEMPTED)
+    if state == "completed" and code == 0:
+        return 0
+    if code < 0:  # torchrun itself was killed by a signal
+        code = int(ExitCode.INTERRUPTED) if -code == signal.SIGINT else int(ExitCode.FAILURE)
+    if signal.SIGINT in forwarded and code not in (0, int(ExitCode.USAGE)):
+        code = int(ExitCode.INTERRUPTED)
+    elif code == 128 + signal.SIGTERM:
+        code = int(ExitCode.FAILURE)
+    if state == "running" and code != 0:
+        # Rank 0 died without recording its end (killed, OOM): record it so `dtrain runs` is right.
+        with contextlib.suppress(OSError, UserError):
+            write_json(
+                run,
+                "status.json",
+                {
+                    **status,
+                    "state": "failed",
+                    "exit_code": code,
+                    "updated": time.time(),
+                    "error": "the job was killed or crashed",
+                },
+            )
+    return code

@@ -1,0 +1,36 @@
+"""Every usage error is one line on stderr and exit 2, including the ones typer/click find themselves
+(a bad choice, an unknown option), which they would print as a boxed panel of several lines."""
+
+from __future__ import annotations
+
+import pytest
+from runs import cli
+
+from dtrain.common.errors import ExitCode
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            ["train", "mnist", "--precision", "bf17"],
+            "error: Invalid value for '--precision': 'bf17' is not one of 'auto', 'bf16', 'fp16', 'fp32'.",
+        ),
+        (
+            ["train", "mnist", "--backend", "mpi"],
+            "error: Invalid value for '--backend': 'mpi' is not one of 'auto', 'nccl', 'gloo'.",
+        ),
+        (["train", "mnist", "--epochs", "many"], "error: Invalid value for '--epochs': "),
+        (["train", "mnist", "--bogus"], "error: No such option: --bogus"),
+        (["train", "gpt"], "error: No such command 'gpt'."),
+    ],
+)
+def test_click_usage_errors_are_one_line(tmp_path, args, line):
+    r = cli(tmp_path, *args)
+    assert r.code == ExitCode.USAGE, r.err
+    assert r.err.count("\n") == 1 and "╭" not in r.err, r.err
+    command = " ".join(["dtrain", *args[: 2 if args[1] != "gpt" else 1]])
+    got = r.error_line()
+    # The wording of a bad number is typer's own and changes between its releases: the start is ours to pin.
+    assert got == f"{line} (see {command} --help)" or (line.endswith(": ") and got.startswith(line)), got
+    assert got.endswith(f" (see {command} --help)"), got
