@@ -65,6 +65,10 @@ _register()
 
 def run(argv: list[str] | None = None) -> int:
     """Entry point: run the app and turn errors into one line and an exit code."""
+    if "train" in (sys.argv[1:] if argv is None else argv):
+        from dtrain.cli import train_cmd
+
+        train_cmd.register_all()
     try:
         app(args=argv, prog_name="dtrain", standalone_mode=False)
     except UserError as e:

@@ -116,10 +116,11 @@ def launch(
 
 
 def register_all() -> None:
+    """One command per workload. cli/main.py calls it only when `train` is on the command line: building
+    the options reads every workload's dataclasses, which `dtrain --help` need not pay for."""
     from dtrain.control.settings import WORKLOADS
 
+    if app.registered_commands:
+        return
     for name in WORKLOADS:
         _register(name)
-
-
-register_all()

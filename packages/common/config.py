@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import functools
 import re
 import typing
 from collections.abc import Mapping, Sequence
@@ -84,8 +85,13 @@ class RunConfig:
 
 def field_type(cls: type, f: dataclasses.Field) -> Any:
     """The resolved annotation of a dataclass field (annotations are strings under __future__)."""
-    hints = typing.get_type_hints(cls)
-    return hints[f.name]
+    return _hints(cls)[f.name]
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    # Resolving a class's string annotations evaluates them all: once per class, not once per field.
+    return typing.get_type_hints(cls)
 
 
 def scalar_fields(cls: type) -> list[tuple[str, dataclasses.Field, Any]]:

@@ -129,7 +129,8 @@ def test_up_train_status_down(setup: dict, testbed: Testbed) -> None:
     r = dtrain(setup, "up", "--cluster", "demo", "--yes")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
-    assert "ok CPUS" in out or "CPUS" in out  # preflight ran against the Compute API
+    # preflight ran against the Compute API: 2 e2-medium nodes need 4 of the region's 24 vCPUs
+    assert "  ok CPUS (us-central1): 0/24 used, needs 4" in r.stdout.splitlines(), out
     assert "e2-medium" in out and "$/hour" in out  # the plan summary with its estimate
     assert "created the Terraform state bucket gs://dtrain-test-dtrain-tfstate" in out
     assert out.count("ready ") >= 2, out
@@ -160,26 +161,22 @@ def test_up_train_status_down(setup: dict, testbed: Testbed) -> None:
     status = read_json(open_store(f"gs://{PROJECT}-dtrain-demo/runs/{runs[0]}"), "status.json")
     assert status["state"] == "completed" and status["result"]["world_size"] == 2, status
 
-    # --- status: the Compute API's view (what the provider would have made), with cost so far
-    for i, h in enumerate(testbed.hosts):
-        name = ["demo-master", "demo-worker-0"][i]
-        world.add_instance(
-            ZONE, name, labels={"dtrain-cluster": "demo"}, machine_type="e2-medium", internal_ip=h.address,
-            external_ip=h.address, last_start="2026-01-01T00:00:00.000-00:00",
-        )  # fmt: skip
-    world.add_disk(ZONE, "demo-scratch", labels={"dtrain-cluster": "demo"})
+    # --- status: the Compute API's view of the VMs `up` made, with cost so far
+    assert sorted(name for _zone, name in world.instances) == ["demo-master", "demo-worker-0"]
+    world.add_disk(ZONE, "demo-scratch", labels={"dtrain-cluster": "demo"})  # something Terraform does not know
     r = dtrain(setup, "status", "--cluster", "demo", "--json")
     assert r.returncode == 0, r.stdout + r.stderr
     st = json.loads(r.stdout)
     assert [(n["name"], n["state"]) for n in st["nodes"]] == [("demo-master", "RUNNING"), ("demo-worker-0", "RUNNING")]
     assert all(n["uptime_s"] > 0 and n["usd_so_far"] > 0 for n in st["nodes"])
 
-    # --- down: destroy, then the sweep finds what is still labelled (the VMs the fake still has,
-    # and a disk) and deletes it; the checkpoint bucket is kept.
+    # --- down: destroy deletes the VMs, then the sweep finds what is still labelled (a disk
+    # Terraform never made) and deletes it; the checkpoint bucket is kept.
     r = dtrain(setup, "down", "--cluster", "demo", "--yes")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
-    assert "demo-scratch" in out and "deleted" in out
+    assert "  ok disk demo-scratch (us-central1-a): deleted" in r.stdout.splitlines(), out
+    assert "instance demo-" not in out  # the VMs went with terraform destroy, not with the sweep
     assert not world.instances and not [d for d in world.disks if d[1].startswith("demo")]
     tfstate = json.loads(state.download_as_text())
     assert [r for r in tfstate["resources"] if r["name"] == "node"] == []

@@ -178,6 +178,13 @@ def matches(resource: dict, terms: list[tuple[str, str, str]]) -> bool:
 # The world
 
 
+def now_rfc3339() -> str:
+    """The time now as Compute writes it."""
+    import datetime as dt
+
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
 class ComputeWorld:
     """The state the server answers from. Build it with the helpers, then `serve()`."""
 
@@ -408,6 +415,31 @@ class ComputeWorld:
         self.instances[(zone, name)] = inst
         return inst
 
+    def insert_instance(self, zone: str, body: dict) -> dict:
+        """instances.insert, from the request body the google provider would send (the fields dtrain
+        reads back: name, machine type, labels, addresses, accelerators, scheduling)."""
+        name = body.get("name", "")
+        if (zone, name) in self.instances:
+            link = self.link("zones", zone, "instances", name)
+            raise HttpError(error_body(409, f"The resource '{link}' already exists", "alreadyExists", "ALREADY_EXISTS"))
+        nic = (body.get("networkInterfaces") or [{}])[0]
+        nat = (nic.get("accessConfigs") or [{}])[0].get("natIP")
+        acc = (body.get("guestAccelerators") or [{}])[0]
+        inst = self.add_instance(
+            zone,
+            name,
+            labels=body.get("labels") or {},
+            machine_type=str(body.get("machineType", "e2-medium")).rsplit("/", 1)[-1],
+            accelerator=str(acc.get("acceleratorType", "")).rsplit("/", 1)[-1] or None,
+            gpus=int(acc.get("acceleratorCount", 0)),
+            spot=(body.get("scheduling") or {}).get("provisioningModel") == "SPOT",
+            internal_ip=nic.get("networkIP", "10.0.0.2"),
+            external_ip=nat,
+            created=now_rfc3339(),
+            last_start=now_rfc3339(),
+        )
+        return self._record_op(f"zones/{zone}", "insert", inst["selfLink"], now_rfc3339(), done=True, zone=zone)
+
     def preempt(self, zone: str, name: str, at: str) -> None:
         """What Compute Engine does to a spot VM with termination action STOP: the VM goes to
         TERMINATED and a `compute.instances.preempted` operation is recorded in the zone."""
@@ -637,8 +669,11 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         query = parse_qs(url.query, keep_blank_values=True)
         length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(length)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            self.body = json.loads(raw) if raw else {}
+        except ValueError:
+            self.body = {}
         w = self.world
         with w.lock:
             w.requests.append((method, url.path, query))
@@ -790,6 +825,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._zone(zone)
         return self.world.delete_instance(zone, name)
 
+    def insert_instance(self, query: dict, zone: str) -> dict:
+        self._zone(zone)
+        return self.world.insert_instance(zone, self.body)
+
     def aggregated_disks(self, query: dict) -> dict:
         scoped = [(f"zones/{z}", d) for (z, _), d in self.world.disks.items()]
         return self._aggregated("compute#diskAggregatedList", "disks", scoped, query)
@@ -858,6 +897,7 @@ _ROUTES = [
     (r"/zones/([^/]+)/acceleratorTypes", "GET", _Handler.list_accelerators),
     (r"/aggregated/acceleratorTypes", "GET", _Handler.aggregated_accelerators),
     (r"/zones/([^/]+)/instances", "GET", _Handler.list_instances),
+    (r"/zones/([^/]+)/instances", "POST", _Handler.insert_instance),
     (r"/aggregated/instances", "GET", _Handler.aggregated_instances),
     (r"/zones/([^/]+)/instances/([^/]+)", "GET", _Handler.get_instance),
     (r"/zones/([^/]+)/instances/([^/]+)", "DELETE", _Handler.delete_instance),

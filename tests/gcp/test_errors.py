@@ -11,7 +11,6 @@ import textwrap
 import pytest
 
 from dtrain.common.errors import ExitCode, UserError
-from dtrain.control.gcp import api as gcp_mod
 from dtrain.control.gcp.api import Gcp, api_error, find_leftovers, node_states, preflight
 
 from .compute_fake import error_body, permission_denied, service_disabled
@@ -225,19 +224,20 @@ def test_a_bad_key_file_is_named_but_never_printed(tmp_path, monkeypatch):
 
 
 def test_missing_libraries_give_the_install_hint(monkeypatch):
-    import builtins
+    """Every google import goes through dtrain.control.gcp.auth; without the libraries it is one line."""
+    import sys
 
-    real_import = builtins.__import__
+    from dtrain.control.gcp import auth
 
-    def no_google(name, globals=None, locals=None, fromlist=(), level=0):
-        if name.startswith("google"):
-            raise ImportError(f"No module named {name!r}", name=name)
-        return real_import(name, globals, locals, fromlist, level)
-
-    monkeypatch.setattr(builtins, "__import__", no_google)
+    for name in [m for m in sys.modules if m == "google" or m.startswith("google.")]:
+        monkeypatch.delitem(sys.modules, name)
+    for name in auth.MODULES.values():
+        monkeypatch.setitem(sys.modules, name, None)  # what an import of a missing package raises on
     err = raised(Gcp.connect, "p")
-    assert str(err).endswith(": pip install 'dtrain[gcp]'")
-    assert gcp_mod.INSTALL_HINT == "pip install 'dtrain[gcp]'"
+    assert str(err) == (
+        "the gcp backend needs the Google Cloud libraries (google.auth is missing): pip install 'dtrain[gcp]'"
+    )
+    assert auth.INSTALL_HINT == "pip install 'dtrain[gcp]'"
 
 
 def test_storage_errors_use_the_same_mapping():
