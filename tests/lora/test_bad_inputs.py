@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from runs import RefusedResume, Result, cli, snapshot
 
-from dtrain.common.errors import ExitCode
+from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.storage import open_store
+from dtrain.lora.data import read_documents
 from dtrain.lora.model import PRESETS
 
 TINY = ["--seq-len", "64", "--batch-size", "4", "--max-steps", "2", "--nproc", "1", "--output", "runs"]
@@ -86,6 +88,82 @@ def test_data_path_that_does_not_exist_offline(tmp_path):
         f"error: --data {missing}: no such file or directory, and the Hugging Face hub is out of reach "
         "to load it as a dataset name (offline)"
     )
+
+
+# Binary data: refused before training with the file and the byte offset. Each file below would
+# train if read leniently: the invalid bytes would become U+FFFD, the control bytes tokens.
+
+TEXT = "A line of ordinary text, with\ttabs and\r\nline ends.\f\n" * 40  # 2,080 bytes
+
+
+def test_data_that_is_not_utf8(tmp_path):
+    latin1 = tmp_path / "notes.txt"
+    latin1.write_bytes(TEXT.encode() + "café au lait\n".encode("latin-1") + TEXT.encode())
+    line = assert_refused(train(tmp_path, "--model", "tiny-llama", "--data", str(latin1)), tmp_path)
+    assert line == (
+        f"error: {latin1}: not UTF-8 text (byte 0xe9 at offset 2083): --data takes UTF-8 text; "
+        "convert the file (iconv -t UTF-8) or leave it out"
+    )
+
+
+def test_data_that_is_mostly_control_bytes(tmp_path):
+    # UTF-16 without a byte-order mark is valid UTF-8, byte for byte: every other byte is NUL.
+    utf16 = tmp_path / "notes.txt"
+    utf16.write_bytes(TEXT.encode("utf-16-le"))
+    line = assert_refused(train(tmp_path, "--model", "tiny-llama", "--data", str(utf16)), tmp_path)
+    assert line == (
+        f"error: {utf16}: binary, not text: 2,080 of its 4,160 bytes (50.0%) are control bytes, the first "
+        "(0x00) at offset 1; --data takes text with at most 30% control bytes"
+    )
+
+
+def test_directory_with_a_binary_jsonl(tmp_path, corpus):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_bytes(corpus.read_bytes())
+    bad = data / "b.jsonl"
+    bad.write_bytes(b'{"text": "fine"}\n{"text": "\xc3\x28 is no UTF-8 sequence"}\n')
+    line = assert_refused(train(tmp_path, "--model", "tiny-llama", "--data", str(data)), tmp_path)
+    assert line == (
+        f"error: {bad}: not UTF-8 text (byte 0xc3 at offset 27): --data takes UTF-8 text; "
+        "convert the file (iconv -t UTF-8) or leave it out"
+    )
+
+
+def test_binary_object_in_a_bucket(tmp_path, gcs_bucket):
+    url = f"{gcs_bucket}/weights.txt"
+    open_store(url).write_bytes("", bytes(4096))  # 4 KiB of zeros: valid UTF-8, and no text
+    line = assert_refused(train(tmp_path, "--model", "tiny-llama", "--data", url), tmp_path)
+    assert line == (
+        f"error: {url}: binary, not text: 4,096 of its 4,096 bytes (100.0%) are control bytes, the first "
+        "(0x00) at offset 0; --data takes text with at most 30% control bytes"
+    )
+
+
+@pytest.mark.parametrize(
+    "raw, refused_at",
+    [
+        (b"\x00" * 30 + b"x" * 70, None),  # 30%: the most allowed
+        (b"x" * 69 + b"\x01" * 31, 69),  # 31%
+        (b"\t\n\r\f" * 25, None),  # whitespace is text
+        (b"\x0b" * 31 + b"x" * 69, 0),  # vertical tab is not
+        (b"\x1b[31mred\x1b[0m\n" * 10, None),  # colour escapes: 2 of 14 bytes
+        (b"x" * 69 + b"\x7f" * 31, 69),  # DEL
+    ],
+    ids=["30pct", "31pct", "whitespace", "vtab", "ansi-colour", "del"],
+)
+def test_control_byte_threshold(tmp_path, raw, refused_at):
+    path = tmp_path / "f.txt"
+    path.write_bytes(raw)
+    if refused_at is None:
+        assert read_documents(str(path), "text") == [raw.decode()]
+        return
+    with pytest.raises(UserError) as e:
+        read_documents(str(path), "text")
+    assert str(e.value).startswith(
+        f"{path}: binary, not text: 31 of its 100 bytes (31.0%) are control bytes, the first"
+    )
+    assert f"at offset {refused_at};" in str(e.value)
 
 
 @pytest.fixture(scope="module")
