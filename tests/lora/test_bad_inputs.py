@@ -38,6 +38,11 @@ def assert_refused(r: Result, cwd: Path) -> str:
     return line
 
 
+def refused_data(cwd: Path, data: Path | str) -> str:
+    """The error line of a tiny-llama run on `data`, after assert_refused's checks."""
+    return assert_refused(train(cwd, "--model", "tiny-llama", "--data", str(data)), cwd)
+
+
 # ---------------------------------------------------------------------------------------------
 # the model
 
@@ -66,14 +71,14 @@ def test_unknown_target_module(tmp_path, corpus):
 def test_empty_dataset(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
-    line = assert_refused(train(tmp_path, "--model", "tiny-llama", "--data", str(empty)), tmp_path)
+    line = refused_data(tmp_path, empty)
     assert line == f"error: --data {empty} holds no text"
 
 
 def test_dataset_too_short_for_two_blocks(tmp_path):
     short = tmp_path / "short.txt"
     short.write_bytes(b"0123456789")
-    line = assert_refused(train(tmp_path, "--model", "tiny-llama", "--data", str(short)), tmp_path)
+    line = refused_data(tmp_path, short)
     # 10 bytes and the end-of-text token.
     assert line == (
         f"error: --data {short} gives 11 tokens: too short for two blocks of --seq-len 64 "
@@ -83,7 +88,7 @@ def test_dataset_too_short_for_two_blocks(tmp_path):
 
 def test_data_path_that_does_not_exist_offline(tmp_path):
     missing = tmp_path / "nope.txt"
-    line = assert_refused(train(tmp_path, "--model", "tiny-llama", "--data", str(missing)), tmp_path)
+    line = refused_data(tmp_path, missing)
     assert line == (
         f"error: --data {missing}: no such file or directory, and the Hugging Face hub is out of reach "
         "to load it as a dataset name (offline)"
@@ -94,27 +99,32 @@ def test_data_path_that_does_not_exist_offline(tmp_path):
 # train if read leniently: the invalid bytes would become U+FFFD, the control bytes tokens.
 
 TEXT = "A line of ordinary text, with\ttabs and\r\nline ends.\f\n" * 40  # 2,080 bytes
+NOT_UTF8 = (
+    "not UTF-8 text (byte {byte} at offset {offset}): --data takes UTF-8 text; "
+    "convert the file (iconv -t UTF-8) or leave it out"
+)
 
 
-def test_data_that_is_not_utf8(tmp_path):
-    latin1 = tmp_path / "notes.txt"
-    latin1.write_bytes(TEXT.encode() + "café au lait\n".encode("latin-1") + TEXT.encode())
-    line = assert_refused(train(tmp_path, "--model", "tiny-llama", "--data", str(latin1)), tmp_path)
-    assert line == (
-        f"error: {latin1}: not UTF-8 text (byte 0xe9 at offset 2083): --data takes UTF-8 text; "
-        "convert the file (iconv -t UTF-8) or leave it out"
-    )
-
-
-def test_data_that_is_mostly_control_bytes(tmp_path):
-    # UTF-16 without a byte-order mark is valid UTF-8, byte for byte: every other byte is NUL.
-    utf16 = tmp_path / "notes.txt"
-    utf16.write_bytes(TEXT.encode("utf-16-le"))
-    line = assert_refused(train(tmp_path, "--model", "tiny-llama", "--data", str(utf16)), tmp_path)
-    assert line == (
-        f"error: {utf16}: binary, not text: 2,080 of its 4,160 bytes (50.0%) are control bytes, the first "
-        "(0x00) at offset 1; --data takes text with at most 30% control bytes"
-    )
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            TEXT.encode() + "café au lait\n".encode("latin-1") + TEXT.encode(),
+            NOT_UTF8.format(byte="0xe9", offset=2083),
+        ),
+        (
+            # UTF-16 without a byte-order mark is valid UTF-8, byte for byte: every other byte is NUL.
+            TEXT.encode("utf-16-le"),
+            "binary, not text: 2,080 of its 4,160 bytes (50.0%) are control bytes, the first (0x00) at offset 1; "
+            "--data takes text with at most 30% control bytes",
+        ),
+    ],
+    ids=["latin-1", "utf-16"],
+)
+def test_data_file_that_is_not_text(tmp_path, content, message):
+    path = tmp_path / "notes.txt"
+    path.write_bytes(content)
+    assert refused_data(tmp_path, path) == f"error: {path}: {message}"
 
 
 def test_directory_with_a_binary_jsonl(tmp_path, corpus):
@@ -123,17 +133,14 @@ def test_directory_with_a_binary_jsonl(tmp_path, corpus):
     (data / "a.txt").write_bytes(corpus.read_bytes())
     bad = data / "b.jsonl"
     bad.write_bytes(b'{"text": "fine"}\n{"text": "\xc3\x28 is no UTF-8 sequence"}\n')
-    line = assert_refused(train(tmp_path, "--model", "tiny-llama", "--data", str(data)), tmp_path)
-    assert line == (
-        f"error: {bad}: not UTF-8 text (byte 0xc3 at offset 27): --data takes UTF-8 text; "
-        "convert the file (iconv -t UTF-8) or leave it out"
-    )
+    line = refused_data(tmp_path, data)
+    assert line == f"error: {bad}: {NOT_UTF8.format(byte='0xc3', offset=27)}"
 
 
 def test_binary_object_in_a_bucket(tmp_path, gcs_bucket):
     url = f"{gcs_bucket}/weights.txt"
     open_store(url).write_bytes("", bytes(4096))  # 4 KiB of zeros: valid UTF-8, and no text
-    line = assert_refused(train(tmp_path, "--model", "tiny-llama", "--data", url), tmp_path)
+    line = refused_data(tmp_path, url)
     assert line == (
         f"error: {url}: binary, not text: 4,096 of its 4,096 bytes (100.0%) are control bytes, the first "
         "(0x00) at offset 0; --data takes text with at most 30% control bytes"
@@ -177,7 +184,7 @@ def jsonl(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
 
 
 def test_jsonl_without_the_text_field(tmp_path, jsonl):
-    line = assert_refused(train(tmp_path, "--model", "tiny-llama", "--data", str(jsonl)), tmp_path)
+    line = refused_data(tmp_path, jsonl)
     assert line == f"error: {jsonl}:2: record has no field 'text' (it has: content, id); pass --text-field"
 
 
