@@ -43,14 +43,12 @@ def _system_mnist_present() -> bool:
 
 @pytest.mark.skipif(_system_mnist_present(), reason="this machine has MNIST in a system path, so data is never missing")
 def test_missing_data(tmp_path):
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    r = dtrain(tmp_path, *TRAIN, "--dataset", "mnist", "--data-dir", str(empty))
+    r = dtrain(tmp_path, *TRAIN, "--dataset", "mnist")
     line = r.error_line()
     assert r.code == ExitCode.USAGE, r.err
     assert line.startswith("error: no mnist train data found; tried: ")
     for place in (
-        f"--data-dir {empty} (missing train-images-idx3-ubyte, train-labels-idx1-ubyte)",
+        "--data-dir (not set)",
         "$DTRAIN_MNIST_DATA_DIR (not set)",
         f"cache {tmp_path / 'cache' / 'mnist'} (no such directory)",
         *(f"system path {d}" for d in mnist_data.SYSTEM_DIRS[Dataset.MNIST]),
@@ -58,6 +56,51 @@ def test_missing_data(tmp_path):
     ):
         assert place in line
     assert line.endswith("Pass --data-dir DIR holding the IDX files")
+
+
+@pytest.fixture
+def cached_data(tmp_path: Path, tiny_data: Path) -> Path:
+    """The tiny dataset in this test's cache, where a run without a data dir would find it."""
+    return shutil.copytree(tiny_data, tmp_path / "cache" / "mnist")
+
+
+GIVEN_DIR_HINT = "or leave the data dir unset to search the cache and system paths"
+
+
+@pytest.mark.parametrize("how", ["flag", "dtrain.toml", "env"])
+def test_data_dir_that_does_not_exist(tmp_path, cached_data, how):
+    # However the user named it, a data dir is what they asked for: the copy in the cache is not
+    # a substitute for it.
+    nope = tmp_path / "nope"
+    args, env, shown = [], isolated_env(tmp_path), str(nope)
+    if how == "flag":
+        args = ["--data-dir", str(nope)]
+    elif how == "dtrain.toml":
+        (tmp_path / "dtrain.toml").write_text('[mnist]\ndata_dir = "nope"\n')  # relative to the working dir
+        shown = "nope"  # as the user wrote it
+    else:
+        env["DTRAIN_MNIST_DATA_DIR"] = str(nope)
+    r = dtrain(tmp_path, *TRAIN, *args, env=env)
+    assert r.error_line() == (
+        f"error: --data-dir {shown}: no such directory; name the directory holding the IDX files "
+        f"(an existing one to download them into), {GIVEN_DIR_HINT}"
+    )
+    assert r.code == ExitCode.USAGE
+    assert not nope.exists()
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == []  # the refused run left nothing
+
+
+def test_data_dir_with_only_the_train_files(tmp_path, cached_data):
+    train_only = tmp_path / "train-only"
+    train_only.mkdir()
+    for stem in (IMAGE_STEMS["train"], "train-labels-idx1-ubyte"):
+        shutil.copy(cached_data / f"{stem}.gz", train_only)
+    r = dtrain(tmp_path, *TRAIN, "--data-dir", str(train_only))
+    assert r.error_line() == (
+        f"error: --data-dir {train_only} has no t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (.gz or raw), "
+        f"and downloads are off (offline mode): put them there, {GIVEN_DIR_HINT}"
+    )
+    assert r.code == ExitCode.USAGE
 
 
 def test_corrupt_idx_file(tmp_path, tiny_data):

@@ -13,6 +13,11 @@ checksum, so a save interrupted at any point is never picked up: the newest comp
 Rank 0 writes; every rank reads. Serialisation happens on the training thread (a consistent
 snapshot); the write/upload runs on a background thread so training does not wait on the
 network, except for the final save and the save on SIGTERM, which are waited for.
+
+A failed write is reported at the next save (or at the end), on every rank at once: rank 0 tells
+the others through the collective the save makes anyway, so they stop with it instead of waiting
+for a peer that has gone. A full disk is one line (the file, the bytes it needed, and which
+checkpoint is intact); the partial step directory is removed.
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ import torch
 
 from dtrain.common import env as envmod
 from dtrain.common.dist import Dist
-from dtrain.common.errors import UserError
+from dtrain.common.errors import ExitCode, UserError
 from dtrain.common.rundir import config_diff
-from dtrain.common.storage import Store
+from dtrain.common.storage import DiskFull, Store
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
 STATE_FILE = "state.pt"
@@ -191,15 +196,17 @@ class Checkpointer:
         self, step: int, state_fn: Callable[[], dict[str, Any]], *, epoch_end: bool = False, last: bool = False
     ) -> bool:
         """Checkpoint if due. Every rank calls this at the same steps (it gathers RNG states).
-        `last` (end of training, SIGTERM) also waits until the checkpoint is committed."""
+        `last` (end of training, SIGTERM) also waits until the checkpoint is committed. Raises on
+        every rank if rank 0's previous write failed."""
         if not self.due(step, epoch_end=epoch_end, last=last):
             if last:
-                self.wait()
+                self._wait_together()
             return False
-        rngs = self.d.gather(rng_state(self.d.device))
+        gathered = self.d.gather((rng_state(self.d.device), self._settle(flush=True)))
+        self._raise_shared(gathered[0][1])
         if self.d.is_main:
-            self.before_save()
             state = state_fn()
+            rngs = [rng for rng, _ in gathered]
             state.update(step=step, rng=rngs, config=self.run_config, model_config=self.model_config)
             buf = io.BytesIO()
             torch.save(state, buf)
@@ -211,14 +218,11 @@ class Checkpointer:
                 "world_size": self.d.world_size,
                 "created": time.time(),
             }
-            self._raise_if_failed()
-            self._idle.wait()  # at most one save in flight: bounded memory, ordered commits
-            self._raise_if_failed()
             self._idle.clear()
             self._queue.put((step, buf.getvalue(), meta))
         self.last_saved_step = step
         if last:
-            self.wait()
+            self._wait_together()
         return True
 
     def wait(self) -> None:
@@ -226,6 +230,32 @@ class Checkpointer:
         if self.d.is_main:
             self._idle.wait()
             self._raise_if_failed()
+
+    def _settle(self, *, flush: bool = False) -> str | None:
+        """Rank 0: wait for the write in flight (at most one: bounded memory, ordered commits),
+        then, with `flush`, bring the run's other files up to this step. Returns what failed, for
+        the other ranks, or None; on other ranks, None."""
+        if not self.d.is_main:
+            return None
+        self._idle.wait()
+        if flush and self._error is None:
+            try:
+                self.before_save()
+            except DiskFull as e:
+                self._error = self._disk_full(e, None)
+        return None if self._error is None else str(self._error)
+
+    def _wait_together(self) -> None:
+        """Every rank: wait until rank 0 has committed, and raise together if it could not."""
+        self._raise_shared(self.d.broadcast(self._settle()))
+
+    def _raise_shared(self, failure: str | None) -> None:
+        if failure is None:
+            return
+        if self.d.is_main:
+            self._raise_if_failed()
+        # Rank 0 reports the failure; the others stop with the same exit code and print nothing.
+        raise UserError(failure, exit_code=ExitCode.FAILURE)
 
     def close(self) -> None:
         self.wait()
@@ -237,6 +267,8 @@ class Checkpointer:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
+            if isinstance(err, UserError):
+                raise err
             raise RuntimeError(f"writing a checkpoint to {self.store.url} failed: {err}") from err
 
     def _writer(self) -> None:
@@ -247,6 +279,8 @@ class Checkpointer:
             step, data, meta = item
             try:
                 self._commit(step, data, meta)
+            except DiskFull as e:
+                self._error = self._disk_full(e, step)
             except BaseException as e:  # noqa: BLE001 - handed to the training thread
                 self._error = e
             finally:
@@ -262,6 +296,29 @@ class Checkpointer:
         self.store.write_bytes(f"{name}/{META_FILE}", json.dumps(meta, indent=1).encode())
         self.store.write_bytes(LATEST, name.encode())
         self._prune(step)
+
+    def _disk_full(self, e: DiskFull, step: int | None) -> Exception:
+        """The one line for a save that filled the disk, after removing the step directory it
+        left incomplete: a reader would skip it anyway, and it holds space the user needs back.
+        If looking at the store fails as well, the bare error (raised with its traceback)."""
+        try:
+            return self._disk_full_error(e, step)
+        except Exception:  # noqa: BLE001 - the disk error is the one to report
+            return e
+
+    def _disk_full_error(self, e: DiskFull, step: int | None) -> UserError:
+        if step is not None and _complete_meta(self.store, step_dir(step)) is None:
+            self.store.delete(step_dir(step))
+        found = find_latest(self.store)
+        intact = (
+            f"checkpoint step {found.step} ({self.store.join(found.name)}) is intact: free space and resume from it"
+            if found
+            else "no earlier checkpoint: free space and start again"
+        )
+        return UserError(
+            f"disk full: writing {e.path} needed {e.needed:,} bytes, {e.free:,} were free; {intact}",
+            exit_code=ExitCode.FAILURE,
+        )
 
     def _prune(self, newest: int) -> None:
         """Keep the newest `keep` complete checkpoints; drop older ones and any older debris."""

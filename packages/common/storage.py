@@ -13,6 +13,7 @@ works (for local paths) without the Google SDK installed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import re
@@ -43,6 +44,16 @@ _NEEDED_PERMISSIONS = (
     "storage.objects.get",
     "storage.objects.list",
 )
+
+
+class DiskFull(OSError):
+    """A local write that found no space left (ENOSPC, or EDQUOT: over quota). Carries what a
+    one-line message needs: the file, the bytes it needed, and the bytes free once the partial
+    file was removed."""
+
+    def __init__(self, path: str, needed: int, free: int) -> None:
+        super().__init__(errno.ENOSPC, f"no space left on device for {path}: {needed:,} bytes needed, {free:,} free")
+        self.path, self.needed, self.free = path, needed, free
 
 
 class Store(Protocol):
@@ -114,6 +125,15 @@ class LocalStore:
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         target = self._path(rel)
+        try:
+            self._replace(target, data)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise DiskFull(str(target), len(data), _free_bytes(target.parent)) from e
+
+    @staticmethod
+    def _replace(target: Path, data: bytes) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f"{_TMP_PREFIX}{secrets.token_hex(4)}-{target.name}")
         # os.open with 0o666 (not mkstemp's 0o600) so the file gets the usual umask mode.
@@ -188,6 +208,13 @@ class LocalStore:
             ) from None
         except OSError as e:  # read-only file system, disk full, ...
             raise UserError(f"cannot write to {self.url}: {e.strerror}; choose another location") from None
+
+
+def _free_bytes(path: Path) -> int:
+    """Bytes free on the file system holding `path` (or its nearest existing parent)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 @functools.cache

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,14 @@ from dtrain.lora.model import ByteTokenizer
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".json")
 
+# Bytes that text does not hold: the C0 controls and DEL, but not the whitespace that text does
+# hold (\t \n \r \f). A file with more than this share of them is refused as binary: ordinary text
+# has none, a log with colour escapes a few percent, UTF-16 saved without a BOM (valid UTF-8 byte
+# for byte) half. Random binary rarely gets this far: it is not valid UTF-8.
+CONTROL_BYTES = bytes([*range(0x00, 0x09), 0x0B, *range(0x0E, 0x20), 0x7F])
+_CONTROL_RE = re.compile(b"[" + re.escape(CONTROL_BYTES) + b"]")
+MAX_CONTROL_FRACTION = 0.30
+
 
 @dataclasses.dataclass
 class Blocks:
@@ -32,8 +41,28 @@ class Blocks:
     documents: int
 
 
+def decode_text(name: str, raw: bytes) -> str:
+    """`raw` as text, or a UserError naming the file and the byte offset where it stops being text."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{name}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}): --data takes UTF-8 text; "
+            "convert the file (iconv -t UTF-8) or leave it out"
+        ) from None
+    control = len(raw) - len(raw.translate(None, CONTROL_BYTES))
+    if control > MAX_CONTROL_FRACTION * len(raw):
+        first = _CONTROL_RE.search(raw).start()  # type: ignore[union-attr]
+        raise UserError(
+            f"{name}: binary, not text: {control:,} of its {len(raw):,} bytes ({control / len(raw):.1%}) are "
+            f"control bytes, the first (0x{raw[first]:02x}) at offset {first}; --data takes text with at most "
+            f"{MAX_CONTROL_FRACTION:.0%} control bytes"
+        )
+    return text
+
+
 def _records(name: str, raw: bytes, text_field: str) -> list[str]:
-    text = raw.decode("utf-8", errors="replace")
+    text = decode_text(name, raw)
     if not name.endswith((".jsonl", ".json")):
         return [text]
     out = []

@@ -32,7 +32,9 @@ class MnistConfig:
 
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     dataset: Dataset = opt(Dataset.MNIST, "which IDX dataset to train on")
-    data_dir: str = opt("", "directory holding the four IDX files (gzip or raw); searched first")
+    data_dir: str = opt(
+        "", "directory holding the four IDX files (gzip or raw); when given, the only place looked (downloads go there)"
+    )
     download: bool = opt(True, "download from the public mirrors (checksums verified) if no local copy is found")
     train_split: str = opt("train", "training images: train or test, optionally sliced, e.g. test[:8000]")
     eval_split: str = opt("test", "evaluation images, same syntax, e.g. test[8000:]")

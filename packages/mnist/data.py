@@ -1,9 +1,11 @@
 """MNIST-format data: an IDX reader (gzip or raw), the ordered list of places to find the files,
 and verified downloads. The whole dataset is then held as tensors on the training device.
 
-Sources, in order: --data-dir, $DTRAIN_MNIST_DATA_DIR, the cache (~/.cache/dtrain/<dataset>),
-well-known system paths (Debian's dataset-fashion-mnist installs /usr/share/datasets/fashion-mnist),
-then the public mirrors, with each file's md5 checked before it is used.
+A data dir the user gave (--data-dir, else $DTRAIN_MNIST_DATA_DIR) is the only source: missing
+files there are an error, or, with downloads on, are downloaded into it. Without one the sources
+are, in order: the cache (~/.cache/dtrain/<dataset>), well-known system paths (Debian's
+dataset-fashion-mnist installs /usr/share/datasets/fashion-mnist), then the public mirrors into the
+cache. Downloads are md5-checked before they are used.
 """
 
 from __future__ import annotations
@@ -116,29 +118,29 @@ def _find(directory: Path, stem: str) -> Path | None:
 def locate(
     dataset: Dataset, split: str, data_dir: str, download: bool, log: Callable[[str], None] = lambda _m: None
 ) -> tuple[Path, Path]:
-    """Paths of the images and labels of `split` ("train" or "test"), from the first source that
-    has both; raises DataError listing every place tried."""
+    """Paths of the images and labels of `split` ("train" or "test").
+
+    A data dir the user gave (--data-dir, which also carries dtrain.toml's data_dir and
+    $DTRAIN_MNIST_DATA_DIR when the CLI launches; or $DTRAIN_MNIST_DATA_DIR read here when the
+    workload runs without the CLI) is the only place looked at: files found anywhere else would
+    be other data than the data asked for. Only without one are the cache and the system paths
+    searched, then the mirrors downloaded into the cache. Raises DataError saying where it looked."""
     stems = FILES[split]
-    tried: list[str] = []
+    for label, given in (("--data-dir", data_dir), ("$DTRAIN_MNIST_DATA_DIR", envmod.data_dir("mnist"))):
+        if given:
+            return _in_given_dir(dataset, stems, f"{label} {given}", Path(given), download, log)
+    tried = ["--data-dir (not set)", "$DTRAIN_MNIST_DATA_DIR (not set)"]
     cache = envmod.cache_dir() / dataset.value
-    candidates = [
-        ("--data-dir", data_dir),
-        ("$DTRAIN_MNIST_DATA_DIR", envmod.data_dir("mnist")),
-        ("cache", str(cache)),
-        *(("system path", p) for p in SYSTEM_DIRS[dataset]),
-    ]
-    for label, directory in candidates:
-        if not directory:
-            tried.append(f"{label} (not set)")
-            continue
+    for label, directory in (("cache", str(cache)), *(("system path", p) for p in SYSTEM_DIRS[dataset])):
         found = [_find(Path(directory), s) for s in stems]
         if all(found):
             return found[0], found[1]  # type: ignore[return-value]
         missing = [s for s, p in zip(stems, found, strict=True) if p is None]
         why = "missing " + ", ".join(missing) if Path(directory).is_dir() else "no such directory"
         tried.append(f"{label} {directory} ({why})")
-    if not download or envmod.offline():
-        tried.append("download (disabled: " + ("--no-download" if not download else "offline mode") + ")")
+    off = _downloads_off(download)
+    if off:
+        tried.append(f"download (disabled: {off})")
     else:
         try:
             paths = [_download(dataset, s, cache, log) for s in stems]
@@ -152,8 +154,50 @@ def locate(
     )
 
 
-def _download(dataset: Dataset, stem: str, cache: Path, log: Callable[[str], None]) -> Path:
-    target = cache / (stem + ".gz")
+GIVEN_DIR_HINT = "or leave the data dir unset to search the cache and system paths"
+
+
+def _in_given_dir(
+    dataset: Dataset, stems: tuple[str, str], where: str, directory: Path, download: bool, log: Callable[[str], None]
+) -> tuple[Path, Path]:
+    """Both files from the directory the user named. With downloads on, missing files are
+    downloaded into it, as into the cache; a directory that does not exist is not created, since
+    a mistyped path must fail rather than fill a new directory."""
+    if not directory.is_dir():
+        what = "not a directory" if directory.exists() else "no such directory"
+        raise DataError(
+            f"{where}: {what}; name the directory holding the IDX files (an existing one to download "
+            f"them into), {GIVEN_DIR_HINT}"
+        )
+    found = [_find(directory, s) for s in stems]
+    missing = ", ".join(s for s, p in zip(stems, found, strict=True) if p is None)
+    if not missing:
+        return found[0], found[1]  # type: ignore[return-value]
+    off = _downloads_off(download)
+    if off:
+        raise DataError(
+            f"{where} has no {missing} (.gz or raw), and downloads are off ({off}): put them there, {GIVEN_DIR_HINT}"
+        )
+    try:
+        got = [p or _download(dataset, s, directory, log) for s, p in zip(stems, found, strict=True)]
+    except DataError as e:
+        raise DataError(
+            f"{where} has no {missing} (.gz or raw), and downloading them into it failed ({e}): put them there, "
+            f"{GIVEN_DIR_HINT}"
+        ) from None
+    return got[0], got[1]
+
+
+def _downloads_off(download: bool) -> str:
+    """Why downloads are not tried ('' when they are)."""
+    if not download:
+        return "--no-download"
+    return "offline mode" if envmod.offline() else ""
+
+
+def _download(dataset: Dataset, stem: str, directory: Path, log: Callable[[str], None]) -> Path:
+    """`stem`.gz from the first mirror that serves it with the published md5, saved in `directory`."""
+    target = directory / (stem + ".gz")
     errors = []
     for mirror in MIRRORS[dataset]:
         url = mirror + stem + ".gz"
@@ -168,11 +212,18 @@ def _download(dataset: Dataset, stem: str, cache: Path, log: Callable[[str], Non
         if got != MD5[dataset][stem]:
             errors.append(f"{url}: md5 {got} != {MD5[dataset][stem]}")
             continue
-        cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache, prefix=".part-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)  # concurrent ranks may race here; each rename is whole
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".part-")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, target)  # concurrent ranks may race here; each rename is whole
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except OSError as e:
+            raise DataError(f"cannot write to {target.parent}: {e.strerror or e}") from None
         return target
     raise DataError("; ".join(errors))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -14,7 +15,7 @@ import pytest
 
 from dtrain.common import storage
 from dtrain.common.errors import ExitCode, UserError
-from dtrain.common.storage import GCSStore, LocalStore, Store, is_remote, open_store
+from dtrain.common.storage import DiskFull, GCSStore, LocalStore, Store, is_remote, open_store
 
 
 @pytest.fixture(params=["local", "gcs"])
@@ -174,6 +175,24 @@ def test_local_write_keeps_old_content_when_replace_fails(tmp_path: Path, monkey
         s.write_bytes("ckpt/LATEST", b"step-2")
     assert s.read_bytes("ckpt/LATEST") == b"step-1"
     assert os.listdir(tmp_path / "ckpt") == ["LATEST"]  # the temp file was removed
+
+
+@pytest.mark.root
+def test_local_write_on_a_full_disk(tmpfs) -> None:
+    disk = tmpfs("64k").path
+    s = open_store(str(disk))
+    s.write_bytes("ckpt/LATEST", b"step-1")
+    with pytest.raises(DiskFull) as e:
+        s.write_bytes("ckpt/LATEST", bytes(100_000))
+    free = shutil.disk_usage(disk).free
+    assert (e.value.path, e.value.needed, e.value.free) == (str(disk / "ckpt" / "LATEST"), 100_000, free)
+    assert e.value.errno == errno.ENOSPC and isinstance(e.value, OSError)
+    assert (
+        str(e.value)
+        == f"[Errno 28] no space left on device for {disk}/ckpt/LATEST: 100,000 bytes needed, {free:,} free"
+    )
+    assert s.read_bytes("ckpt/LATEST") == b"step-1"
+    assert os.listdir(disk / "ckpt") == ["LATEST"]  # the partial temp file was removed
 
 
 def test_local_write_killed_midway_leaves_old_content(tmp_path: Path) -> None:

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from runs import RefusedResume, Result, cli, snapshot
 
-from dtrain.common.errors import ExitCode
+from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.storage import open_store
+from dtrain.lora.data import read_documents
 from dtrain.lora.model import PRESETS
 
 TINY = ["--seq-len", "64", "--batch-size", "4", "--max-steps", "2", "--nproc", "1", "--output", "runs"]
@@ -34,6 +36,11 @@ def assert_refused(r: Result, cwd: Path) -> str:
     runs = cwd / "runs"
     assert not runs.exists() or not list(runs.iterdir())
     return line
+
+
+def refused_data(cwd: Path, data: Path | str) -> str:
+    """The error line of a tiny-llama run on `data`, after assert_refused's checks."""
+    return assert_refused(train(cwd, "--model", "tiny-llama", "--data", str(data)), cwd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,14 +71,14 @@ def test_unknown_target_module(tmp_path, corpus):
 def test_empty_dataset(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
-    line = assert_refused(train(tmp_path, "--model", "tiny-llama", "--data", str(empty)), tmp_path)
+    line = refused_data(tmp_path, empty)
     assert line == f"error: --data {empty} holds no text"
 
 
 def test_dataset_too_short_for_two_blocks(tmp_path):
     short = tmp_path / "short.txt"
     short.write_bytes(b"0123456789")
-    line = assert_refused(train(tmp_path, "--model", "tiny-llama", "--data", str(short)), tmp_path)
+    line = refused_data(tmp_path, short)
     # 10 bytes and the end-of-text token.
     assert line == (
         f"error: --data {short} gives 11 tokens: too short for two blocks of --seq-len 64 "
@@ -81,11 +88,89 @@ def test_dataset_too_short_for_two_blocks(tmp_path):
 
 def test_data_path_that_does_not_exist_offline(tmp_path):
     missing = tmp_path / "nope.txt"
-    line = assert_refused(train(tmp_path, "--model", "tiny-llama", "--data", str(missing)), tmp_path)
+    line = refused_data(tmp_path, missing)
     assert line == (
         f"error: --data {missing}: no such file or directory, and the Hugging Face hub is out of reach "
         "to load it as a dataset name (offline)"
     )
+
+
+# Binary data: refused before training with the file and the byte offset. Each file below would
+# train if read leniently: the invalid bytes would become U+FFFD, the control bytes tokens.
+
+TEXT = "A line of ordinary text, with\ttabs and\r\nline ends.\f\n" * 40  # 2,080 bytes
+NOT_UTF8 = (
+    "not UTF-8 text (byte {byte} at offset {offset}): --data takes UTF-8 text; "
+    "convert the file (iconv -t UTF-8) or leave it out"
+)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            TEXT.encode() + "café au lait\n".encode("latin-1") + TEXT.encode(),
+            NOT_UTF8.format(byte="0xe9", offset=2083),
+        ),
+        (
+            # UTF-16 without a byte-order mark is valid UTF-8, byte for byte: every other byte is NUL.
+            TEXT.encode("utf-16-le"),
+            "binary, not text: 2,080 of its 4,160 bytes (50.0%) are control bytes, the first (0x00) at offset 1; "
+            "--data takes text with at most 30% control bytes",
+        ),
+    ],
+    ids=["latin-1", "utf-16"],
+)
+def test_data_file_that_is_not_text(tmp_path, content, message):
+    path = tmp_path / "notes.txt"
+    path.write_bytes(content)
+    assert refused_data(tmp_path, path) == f"error: {path}: {message}"
+
+
+def test_directory_with_a_binary_jsonl(tmp_path, corpus):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_bytes(corpus.read_bytes())
+    bad = data / "b.jsonl"
+    bad.write_bytes(b'{"text": "fine"}\n{"text": "\xc3\x28 is no UTF-8 sequence"}\n')
+    line = refused_data(tmp_path, data)
+    assert line == f"error: {bad}: {NOT_UTF8.format(byte='0xc3', offset=27)}"
+
+
+def test_binary_object_in_a_bucket(tmp_path, gcs_bucket):
+    url = f"{gcs_bucket}/weights.txt"
+    open_store(url).write_bytes("", bytes(4096))  # 4 KiB of zeros: valid UTF-8, and no text
+    line = refused_data(tmp_path, url)
+    assert line == (
+        f"error: {url}: binary, not text: 4,096 of its 4,096 bytes (100.0%) are control bytes, the first "
+        "(0x00) at offset 0; --data takes text with at most 30% control bytes"
+    )
+
+
+@pytest.mark.parametrize(
+    "raw, refused_at",
+    [
+        (b"\x00" * 30 + b"x" * 70, None),  # 30%: the most allowed
+        (b"x" * 69 + b"\x01" * 31, 69),  # 31%
+        (b"\t\n\r\f" * 25, None),  # whitespace is text
+        (b"\x0b" * 31 + b"x" * 69, 0),  # vertical tab is not
+        (b"\x1b[31mred\x1b[0m\n" * 10, None),  # colour escapes: 2 of 14 bytes
+        (b"x" * 69 + b"\x7f" * 31, 69),  # DEL
+    ],
+    ids=["30pct", "31pct", "whitespace", "vtab", "ansi-colour", "del"],
+)
+def test_control_byte_threshold(tmp_path, raw, refused_at):
+    path = tmp_path / "f.txt"
+    path.write_bytes(raw)
+    if refused_at is None:
+        assert read_documents(str(path), "text") == [raw.decode()]
+        return
+    with pytest.raises(UserError) as e:
+        read_documents(str(path), "text")
+    assert str(e.value).startswith(
+        f"{path}: binary, not text: 31 of its 100 bytes (31.0%) are control bytes, the first"
+    )
+    assert f"at offset {refused_at};" in str(e.value)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +184,7 @@ def jsonl(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
 
 
 def test_jsonl_without_the_text_field(tmp_path, jsonl):
-    line = assert_refused(train(tmp_path, "--model", "tiny-llama", "--data", str(jsonl)), tmp_path)
+    line = refused_data(tmp_path, jsonl)
     assert line == f"error: {jsonl}:2: record has no field 'text' (it has: content, id); pass --text-field"
 
 

@@ -288,9 +288,15 @@ def test_locate_data_dir_wins(four_sources):
     assert load_split(Dataset.MNIST, "train", str(four_sources["data_dir"]), False, CPU).labels.shape == (3,)
 
 
-def test_locate_env_over_cache_over_system(four_sources):
-    # No --data-dir: $DTRAIN_MNIST_DATA_DIR, then the cache, then the system paths.
-    for expect, n in (("env", 4), ("cache", 5), ("system", 6)):
+def test_locate_env_dir_without_the_flag(four_sources):
+    img, lbl = locate(Dataset.MNIST, "train", "", False)
+    assert img.parent == lbl.parent == four_sources["env"]
+    assert load_split(Dataset.MNIST, "train", "", False, CPU).labels.shape == (4,)
+
+
+def test_locate_cache_over_system_when_no_dir_given(four_sources, monkeypatch):
+    monkeypatch.delenv("DTRAIN_MNIST_DATA_DIR")
+    for expect, n in (("cache", 5), ("system", 6)):
         img, _ = locate(Dataset.MNIST, "train", "", False)
         assert img.parent == four_sources[expect], expect
         assert load_split(Dataset.MNIST, "train", "", False, CPU).labels.shape == (n,)
@@ -299,11 +305,63 @@ def test_locate_env_over_cache_over_system(four_sources):
     assert msg.startswith("no mnist train data found")
 
 
-def test_locate_incomplete_source_is_skipped(four_sources):
-    # --data-dir holds the images but not the labels: both files come from the next source.
+# A data dir the user gave is the only place looked at, even when every other source has the
+# files: training on other data than the data named is worse than stopping.
+
+HINT = "or leave the data dir unset to search the cache and system paths"
+
+
+@pytest.mark.parametrize("download", [False, True], ids=["no-download", "download"])
+def test_locate_given_dir_that_does_not_exist(tmp_path, four_sources, download):
+    nope = tmp_path / "nope"
+    msg = error_of(locate, Dataset.MNIST, "train", str(nope), download)
+    assert msg == (
+        f"--data-dir {nope}: no such directory; name the directory holding the IDX files "
+        f"(an existing one to download them into), {HINT}"
+    )
+    assert not nope.exists()  # a mistyped path is not created, with downloads on or off
+
+
+def test_locate_given_dir_that_is_a_file(tmp_path, four_sources):
+    a_file = four_sources["data_dir"] / f"{IMAGE_STEMS['train']}.gz"
+    msg = error_of(locate, Dataset.MNIST, "train", str(a_file), False)
+    assert msg.startswith(f"--data-dir {a_file}: not a directory; name the directory holding the IDX files")
+
+
+def test_locate_given_dir_missing_a_file(four_sources):
+    # The images are there, the labels are not: no file is taken from the next source.
     (four_sources["data_dir"] / f"{LABEL_STEMS['train']}.gz").unlink()
-    img, lbl = locate(Dataset.MNIST, "train", str(four_sources["data_dir"]), False)
-    assert img.parent == lbl.parent == four_sources["env"]
+    msg = error_of(locate, Dataset.MNIST, "train", str(four_sources["data_dir"]), False)
+    assert msg == (
+        f"--data-dir {four_sources['data_dir']} has no {LABEL_STEMS['train']} (.gz or raw), and downloads are "
+        f"off (--no-download): put them there, {HINT}"
+    )
+
+
+def test_locate_given_dir_with_only_the_other_split(four_sources):
+    msg = error_of(locate, Dataset.MNIST, "test", str(four_sources["data_dir"]), True)
+    assert msg == (
+        f"--data-dir {four_sources['data_dir']} has no {IMAGE_STEMS['test']}, {LABEL_STEMS['test']} (.gz or raw), "
+        f"and downloads are off (offline mode): put them there, {HINT}"
+    )
+
+
+def test_locate_env_dir_is_the_only_place_too(tmp_path, four_sources, monkeypatch):
+    _drop(four_sources["env"])
+    msg = error_of(locate, Dataset.MNIST, "train", "", False)
+    assert msg.startswith(f"$DTRAIN_MNIST_DATA_DIR {four_sources['env']} has no {IMAGE_STEMS['train']}, ")
+    typo = tmp_path / "typo"
+    monkeypatch.setenv("DTRAIN_MNIST_DATA_DIR", str(typo))
+    assert error_of(locate, Dataset.MNIST, "train", "", False).startswith(
+        f"$DTRAIN_MNIST_DATA_DIR {typo}: no such directory;"
+    )
+
+
+def test_locate_flag_over_env(four_sources):
+    # Both given: the flag is what the user typed last (the CLI also resolves them in this order).
+    _drop(four_sources["data_dir"])
+    msg = error_of(locate, Dataset.MNIST, "train", str(four_sources["data_dir"]), False)
+    assert msg.startswith(f"--data-dir {four_sources['data_dir']} has no ")
 
 
 @pytest.mark.parametrize(
@@ -331,31 +389,22 @@ def test_locate_gz_preferred_over_raw(tmp_path):
 
 def test_locate_nothing_found_download_disabled(tmp_path, isolated, monkeypatch):
     monkeypatch.delenv("DTRAIN_OFFLINE")
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    write_idx(empty / IMAGE_STEMS["train"], (1, 28, 28), bytes(784))  # images without labels
-    msg = error_of(locate, Dataset.MNIST, "train", str(empty), False)
+    cache = isolated / "mnist"
+    write_idx(cache / IMAGE_STEMS["train"], (1, 28, 28), bytes(784))  # images without labels
+    msg = error_of(locate, Dataset.MNIST, "train", "", False)
     system = tmp_path / "system" / "mnist"
     assert msg == (
         "no mnist train data found; tried: "
-        f"--data-dir {empty} (missing train-labels-idx1-ubyte); "
+        "--data-dir (not set); "
         "$DTRAIN_MNIST_DATA_DIR (not set); "
-        f"cache {isolated / 'mnist'} (no such directory); "
+        f"cache {cache} (missing train-labels-idx1-ubyte); "
         f"system path {system} (no such directory); "
         "download (disabled: --no-download). Pass --data-dir DIR holding the IDX files"
     )
 
 
-def test_locate_nothing_found_lists_env_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("DTRAIN_MNIST_DATA_DIR", str(tmp_path / "typo"))
-    msg = error_of(locate, Dataset.MNIST, "test", "", False)
-    assert "--data-dir (not set)" in msg
-    assert f"$DTRAIN_MNIST_DATA_DIR {tmp_path / 'typo'} (no such directory)" in msg
-    assert "missing t10k-images-idx3-ubyte" not in msg
-
-
 def test_locate_fashion_hint(tmp_path):
-    msg = error_of(locate, Dataset.FASHION_MNIST, "train", str(tmp_path), False)
+    msg = error_of(locate, Dataset.FASHION_MNIST, "train", "", False)
     assert msg.startswith("no fashion-mnist train data found")
     assert f"cache {tmp_path / 'cache' / 'fashion-mnist'}" in msg
     assert msg.endswith("Pass --data-dir DIR holding the IDX files or `apt-get install dataset-fashion-mnist`")
@@ -366,9 +415,12 @@ def test_locate_offline(tmp_path, monkeypatch, mirror, var):
     monkeypatch.delenv("DTRAIN_OFFLINE")
     monkeypatch.setenv(var, "1")
     mirror.serve_dataset(Dataset.MNIST, monkeypatch)
-    msg = error_of(locate, Dataset.MNIST, "train", str(tmp_path), True)
+    msg = error_of(locate, Dataset.MNIST, "train", "", True)
     assert "download (disabled: offline mode)" in msg
     assert "--data-dir DIR" in msg
+    assert "and downloads are off (offline mode): put them there" in error_of(
+        locate, Dataset.MNIST, "train", str(tmp_path), True
+    )
     assert mirror.requests == []  # offline means not even a try
 
 
@@ -463,6 +515,34 @@ def test_download_lands_in_cache_and_loads(tmp_path, isolated, monkeypatch, mirr
     again = load_split(Dataset.MNIST, "train", "", True, CPU)
     assert torch.equal(again.images, split.images)
     assert len(mirror.requests) == 2
+
+
+def test_download_into_a_given_dir(tmp_path, isolated, monkeypatch, mirror, online):
+    # An existing data dir lacking the labels: they are downloaded into it (as torchvision's
+    # `root` with download=True); the images already there are used as they are.
+    mirror.serve_dataset(Dataset.MNIST, monkeypatch, n=6)
+    given = tmp_path / "mine"
+    img, _ = write_split(given, "train", 6, seed=5)
+    (given / f"{LABEL_STEMS['train']}.gz").unlink()
+    split = load_split(Dataset.MNIST, "train", str(given), True, CPU)
+    assert split.source == str(given)
+    assert mirror.requests == [f"/m/{LABEL_STEMS['train']}.gz"]
+    assert sorted(p.name for p in given.iterdir()) == [f"{IMAGE_STEMS['train']}.gz", f"{LABEL_STEMS['train']}.gz"]
+    assert torch.equal(split.images, read_idx(img))
+    assert split.labels.tolist() == list(label_bytes(6, seed=5))
+    assert not isolated.exists()  # nothing went to the cache
+
+
+def test_download_into_a_given_dir_fails(tmp_path, isolated, online):
+    given = tmp_path / "mine"
+    given.mkdir()
+    msg = error_of(locate, Dataset.MNIST, "test", str(given), True)
+    assert msg.startswith(
+        f"--data-dir {given} has no {IMAGE_STEMS['test']}, {LABEL_STEMS['test']} (.gz or raw), and downloading "
+        f"them into it failed (http://127.0.0.1:9/{IMAGE_STEMS['test']}.gz: "
+    )
+    assert msg.endswith(f"): put them there, {HINT}")
+    assert list(given.iterdir()) == []
 
 
 def test_download_falls_back_to_next_mirror(isolated, monkeypatch, mirror, online):
