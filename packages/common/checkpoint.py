@@ -22,14 +22,11 @@ checkpoint is intact); the partial step directory is removed.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import hashlib
 import io
 import json
 import queue
 import random
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -40,17 +37,10 @@ import torch
 from dtrain.common import env as envmod
 from dtrain.common.dist import Dist
 from dtrain.common.errors import ExitCode, UserError
-from dtrain.common.rundir import config_diff
+from dtrain.common.rundir import LATEST, META_FILE, STEP_RE, complete_meta, config_diff, find_latest, step_dir
 from dtrain.common.storage import DiskFull, Store
 
-STEP_RE = re.compile(r"^step-(\d{8})$")
 STATE_FILE = "state.pt"
-META_FILE = "meta.json"
-LATEST = "LATEST"
-
-
-def step_dir(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def digest(obj: Any) -> str:
@@ -74,41 +64,6 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 def _as_tuple(x: Any) -> Any:
     # random.setstate wants tuples all the way down; serialisation may hand back lists.
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-@dataclasses.dataclass(frozen=True)
-class Found:
-    step: int
-    name: str
-    meta: dict[str, Any]
-
-
-def find_latest(store: Store, log: Callable[[str], None] = lambda _m: None) -> Found | None:
-    """The newest complete checkpoint under `store` (the run's checkpoints/ prefix), or None."""
-    names = {p.split("/", 1)[0] for p in store.list("")}
-    steps = sorted((int(m.group(1)), n) for n in names if (m := STEP_RE.match(n)))
-    hinted = None
-    with contextlib.suppress(FileNotFoundError):
-        hinted = store.read_bytes(LATEST).decode().strip()
-    for step, name in reversed(steps):
-        meta = _complete_meta(store, name)
-        if meta is not None:
-            if hinted and hinted != name:
-                log(f"checkpoints/LATEST names {hinted}, but the newest complete checkpoint is {name}")
-            return Found(step, name, meta)
-        log(f"skipping incomplete checkpoint {name} (an interrupted save)")
-    return None
-
-
-def _complete_meta(store: Store, name: str) -> dict[str, Any] | None:
-    try:
-        meta = json.loads(store.read_bytes(f"{name}/{META_FILE}"))
-        for fname, info in meta["files"].items():
-            if store.size(f"{name}/{fname}") != info["size"]:
-                return None
-        return meta
-    except (FileNotFoundError, ValueError, KeyError):
-        return None
 
 
 class Checkpointer:
@@ -307,7 +262,7 @@ class Checkpointer:
             return e
 
     def _disk_full_error(self, e: DiskFull, step: int | None) -> UserError:
-        if step is not None and _complete_meta(self.store, step_dir(step)) is None:
+        if step is not None and complete_meta(self.store, step_dir(step)) is None:
             self.store.delete(step_dir(step))
         found = find_latest(self.store)
         intact = (
@@ -323,7 +278,7 @@ class Checkpointer:
     def _prune(self, newest: int) -> None:
         """Keep the newest `keep` complete checkpoints; drop older ones and any older debris."""
         names = sorted({p.split("/", 1)[0] for p in self.store.list("") if STEP_RE.match(p.split("/", 1)[0])})
-        complete = [n for n in names if _complete_meta(self.store, n) is not None]
+        complete = [n for n in names if complete_meta(self.store, n) is not None]
         keep = set(complete[-self.keep :])
         for n in names:
             if n not in keep and int(STEP_RE.match(n).group(1)) < newest:  # type: ignore[union-attr]

@@ -3,21 +3,28 @@
 <output>/<run-id>/config.json     the full resolved config (written at start)
                   status.json     state, exit code, step, best metric (updated at the end)
                   metrics.jsonl   one line per log step
-                  checkpoints/    see dtrain.common.checkpoint
+                  checkpoints/    step-XXXXXXXX/{state.pt,meta.json} and LATEST (dtrain.common.checkpoint
+                                  writes them; finding the newest complete one needs no torch: here)
                   final/          the exported model
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import json
 import re
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from dtrain.common.errors import UserError
 from dtrain.common.storage import Store, is_remote, open_store
 
+STEP_RE = re.compile(r"^step-(\d{8})$")
+META_FILE = "meta.json"
+LATEST = "LATEST"
 RUN_ID_RE = re.compile(r"^(?P<workload>[a-z0-9]+)-(?P<stamp>\d{8}-\d{6})-(?P<hex>[0-9a-f]{4})$")
 
 
@@ -64,3 +71,46 @@ def config_diff(saved: dict[str, Any], current: dict[str, Any], where: str = "th
 
 def write_json(store: Store, name: str, obj: dict[str, Any]) -> None:
     store.write_bytes(name, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints/: which checkpoint is the newest complete one
+
+
+def step_dir(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    step: int
+    name: str
+    meta: dict[str, Any]
+
+
+def find_latest(store: Store, log: Callable[[str], None] = lambda _m: None) -> Found | None:
+    """The newest complete checkpoint under `store` (the run's checkpoints/ prefix), or None."""
+    names = {p.split("/", 1)[0] for p in store.list("")}
+    steps = sorted((int(m.group(1)), n) for n in names if (m := STEP_RE.match(n)))
+    hinted = None
+    with contextlib.suppress(FileNotFoundError):
+        hinted = store.read_bytes(LATEST).decode().strip()
+    for step, name in reversed(steps):
+        meta = complete_meta(store, name)
+        if meta is not None:
+            if hinted and hinted != name:
+                log(f"checkpoints/LATEST names {hinted}, but the newest complete checkpoint is {name}")
+            return Found(step, name, meta)
+        log(f"skipping incomplete checkpoint {name} (an interrupted save)")
+    return None
+
+
+def complete_meta(store: Store, name: str) -> dict[str, Any] | None:
+    try:
+        meta = json.loads(store.read_bytes(f"{name}/{META_FILE}"))
+        for fname, info in meta["files"].items():
+            if store.size(f"{name}/{fname}") != info["size"]:
+                return None
+        return meta
+    except (FileNotFoundError, ValueError, KeyError):
+        return None

@@ -104,8 +104,10 @@ def _run(workload: str, cls: type, train: Callable[[Context], dict[str, Any]], a
     except UserError as e:
         if rank == 0:
             print_error(str(e))
-        if resumed_run is None and _nothing_to_keep(d, run):
-            run.delete("")  # a fresh run stopped by bad input before any checkpoint: no debris
+        if e.exit_code == ExitCode.USAGE and resumed_run is None and _nothing_to_keep(d, run):
+            # A fresh run stopped by bad input before any checkpoint: no debris. A runtime failure
+            # (a full disk) keeps its run, so the `--resume` the launcher suggests finds it.
+            run.delete("")
         else:
             _status(d, run, "failed", e.exit_code, ctx, error=str(e))
         return e.exit_code

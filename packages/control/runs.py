@@ -11,14 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.common.errors import UserError
-from dtrain.common.rundir import locate, read_json
+from dtrain.common.rundir import STEP_RE, locate, read_json
 from dtrain.common.storage import Store, open_store
 
 
 def list_runs(output: str) -> list[dict[str, Any]]:
     """Every run directory directly under `output` (local or gs://), newest first."""
-    from dtrain.common.checkpoint import STEP_RE
-
     root = open_store(output)
     names = sorted(
         {p.split("/", 1)[0] for p in root.list("") if p.endswith("/config.json") and p.count("/") == 1}, reverse=True

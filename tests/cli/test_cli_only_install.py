@@ -5,6 +5,7 @@ to install. The install is a real `pip install .` (not editable) into a fresh vi
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -18,10 +19,15 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def cli_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A virtualenv holding dtrain as `pip install .` makes it, without extras; yields its dtrain."""
-    venv = tmp_path_factory.mktemp("cli-only") / "venv"
+    root = tmp_path_factory.mktemp("cli-only")
+    # A copy of the checkout: building the wheel writes build/ and *.egg-info next to the sources.
+    source = root / "src"
+    skip = shutil.ignore_patterns(".git", ".venv*", "build", "runs", "wheels", "__pycache__", "*.egg-info")
+    shutil.copytree(REPO, source, ignore=skip, symlinks=True)
+    venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = subprocess.run(
-        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(REPO)], capture_output=True, text=True
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(source)], capture_output=True, text=True
     )
     assert pip.returncode == 0, pip.stdout + pip.stderr
     probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch"], capture_output=True)
