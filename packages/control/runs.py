@@ -3,49 +3,149 @@ per-node logs. No torch: these work on a CLI-only install."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import json
 import os
+import re
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from dtrain.common.errors import UserError
-from dtrain.common.rundir import STEP_RE, locate, read_json
-from dtrain.common.storage import Store, open_store
+from dtrain.common.rundir import LATEST, STEP_RE, complete_meta, locate, read_json
+from dtrain.common.storage import LocalStore, Store, is_remote, open_store
+
+# Terminal states: a run in one of them changes only if it is resumed, which rewrites status.json.
+DONE_STATES = frozenset({"completed", "preempted", "failed", "interrupted", "stopped"})
+# What `dtrain runs` shows of a row (runs_table's rows hold more).
+LIST_KEYS = (
+    "run_id",
+    "workload",
+    "status",
+    "started",
+    "step",
+    "best_metric",
+    "best_value",
+    "world_size",
+    "url",
+    "error",
+)
+# A run id is one path segment: what run_location makes, or a name a person gave a directory.
+RUN_ID_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+REMOTE_READERS = 16  # parallel reads of a bucket's runs: each is an HTTP round trip
+
+
+class BadRunId(UserError):
+    """A run id that is not one plain path segment (`..`, a slash, an encoded one)."""
+
+
+class NoSuchRun(UserError):
+    """No run of that id under the output location."""
 
 
 def list_runs(output: str) -> list[dict[str, Any]]:
     """Every run directory directly under `output` (local or gs://), newest first."""
+    return [{k: row[k] for k in LIST_KEYS} for row in runs_table(output)]
+
+
+def runs_table(output: str) -> list[dict[str, Any]]:
+    """Every run under `output` (local or gs://), newest first, with what a table of runs shows:
+    status, workload, start, duration, newest checkpoint and metrics step, best metric, world size,
+    hosts. A run that has ended is summarised once per process and then answered from memory until
+    its status.json changes, so a long-lived caller (the dashboard) lists 1,000 runs quickly."""
     root = open_store(output)
-    names = sorted(
-        {p.split("/", 1)[0] for p in root.list("") if p.endswith("/config.json") and p.count("/") == 1}, reverse=True
-    )
-    rows = []
-    for name in names:
-        run = root.child(name)
-        cfg = read_json(run, "config.json") or {}
-        status = read_json(run, "status.json") or {}
-        steps = [int(m.group(1)) for p in run.list("checkpoints") if (m := STEP_RE.match(p.split("/")[1]))]
-        metric, value = _best_metric(run)
-        created = cfg.get("created")
-        rows.append(
-            {
-                "run_id": name,
-                "workload": cfg.get("workload"),
-                "status": _status(status),
-                "started": datetime.datetime.fromtimestamp(created, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
-                if created
-                else None,
-                "step": max(steps) if steps else None,
-                "best_metric": metric,
-                "best_value": value,
-                "world_size": cfg.get("world_size"),
-                "url": run.url,
-                "error": status.get("error"),
-            }
-        )
+    names = _run_names(root)
+    if is_remote(root.url) and len(names) > 1:
+        with concurrent.futures.ThreadPoolExecutor(REMOTE_READERS) as pool:
+            rows = list(pool.map(lambda n: _summary(root, n), names))
+    else:
+        rows = [_summary(root, n) for n in names]
     return rows
+
+
+def _run_names(root: Store) -> list[str]:
+    """The run directories directly under `root`, newest id first."""
+    if isinstance(root, LocalStore):
+        # One directory read instead of Store.list's walk over every checkpoint and log of every run.
+        try:
+            entries = list(os.scandir(root.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        names = {e.name for e in entries if e.is_dir() and os.path.isfile(os.path.join(e.path, "config.json"))}
+    else:
+        names = {p.split("/", 1)[0] for p in root.list("") if p.endswith("/config.json") and p.count("/") == 1}
+    return sorted(names, reverse=True)
+
+
+@dataclasses.dataclass
+class _Cached:
+    status: bytes
+    row: dict[str, Any]
+
+
+_summaries: dict[str, _Cached] = {}
+_summaries_lock = threading.Lock()
+
+
+def _summary(root: Store, name: str) -> dict[str, Any]:
+    run = root.child(name)
+    try:
+        status_bytes = run.read_bytes("status.json")
+    except FileNotFoundError:
+        status_bytes = b""
+    with _summaries_lock:
+        cached = _summaries.get(run.url)
+    if cached is not None and cached.status == status_bytes and cached.row["status"] in DONE_STATES:
+        return dict(cached.row)
+    status = _json_or_empty(status_bytes)
+    cfg = read_json(run, "config.json") or {}
+    steps = [int(m.group(1)) for p in run.list("checkpoints") if (m := STEP_RE.match(p.split("/")[1]))]
+    metrics = read_jsonl(run, "metrics.jsonl")
+    metric, value = best_metric(metrics.rows)
+    created, updated = cfg.get("created"), status.get("updated")
+    state = _status(status)
+    end = updated if state in DONE_STATES and updated else time.time()
+    peers = status.get("peers") or []
+    row = {
+        "run_id": name,
+        "workload": cfg.get("workload"),
+        "status": state,
+        "started": _utc(created),
+        "created": created,
+        "updated": updated,
+        "duration_s": round(end - created, 1) if isinstance(created, (int, float)) else None,
+        "step": max(steps) if steps else None,
+        "last_step": max((r["step"] for r in metrics.rows if isinstance(r.get("step"), int)), default=None),
+        "best_metric": metric,
+        "best_value": value,
+        "world_size": cfg.get("world_size"),
+        # config.json does not name the cluster a run was launched on; its hosts are what is known.
+        "hosts": sorted({p["host"] for p in peers if isinstance(p, dict) and p.get("host")}),
+        "url": run.url,
+        "exit_code": status.get("exit_code"),
+        "error": status.get("error"),
+        "skipped_metric_lines": len(metrics.skipped),
+    }
+    with _summaries_lock:
+        _summaries[run.url] = _Cached(status_bytes, row)
+    return dict(row)
+
+
+def _utc(stamp: Any) -> str | None:
+    if not isinstance(stamp, (int, float)):
+        return None
+    return datetime.datetime.fromtimestamp(stamp, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+def _json_or_empty(data: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(data) if data else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _status(status: dict[str, Any]) -> str:
@@ -60,18 +160,129 @@ def _status(status: dict[str, Any]) -> str:
     return state
 
 
-def _best_metric(run: Store) -> tuple[str | None, float | None]:
-    """The best eval_accuracy (or lowest eval_loss) in metrics.jsonl."""
-    try:
-        lines = run.read_bytes("metrics.jsonl").decode().splitlines()
-    except FileNotFoundError:
-        return None, None
-    rows = [json.loads(ln) for ln in lines if ln.strip()]
-    acc = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
+def best_metric(rows: list[dict[str, Any]]) -> tuple[str | None, float | None]:
+    """The best eval_accuracy (or lowest eval_loss) of a run's metrics rows."""
+    acc = [r["eval_accuracy"] for r in rows if isinstance(r.get("eval_accuracy"), (int, float))]
     if acc:
         return "eval_accuracy", max(acc)
-    loss = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    loss = [r["eval_loss"] for r in rows if isinstance(r.get("eval_loss"), (int, float))]
     return ("eval_loss", min(loss)) if loss else (None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# one run: its files, read as they grow
+
+
+def open_run(output: str, run_id: str) -> Store:
+    """The directory of run `run_id` directly under `output`. The id must be one plain path segment:
+    a service hands this what a URL said, and nothing outside `output` may be reached through it."""
+    if not RUN_ID_OK.match(run_id) or ".." in run_id:
+        raise BadRunId(f"bad run id {run_id!r}: a run id is one name like mnist-20250101-120000-ab12")
+    run = open_store(output).child(run_id)
+    if not run.exists("config.json"):
+        raise NoSuchRun(f"no run {run_id!r} under {output} (`dtrain runs` lists them)")
+    return run
+
+
+@dataclasses.dataclass
+class JsonLines:
+    """The complete lines of a .jsonl file after a given line: `rows` (objects, each with its 1-based
+    line number as "line"), `lines` (complete lines in the file: the cursor for the next read),
+    `skipped` (line numbers that are not a JSON object), `reset` (the file is shorter than the cursor:
+    it was rewritten, and `rows` start again from line 1)."""
+
+    rows: list[dict[str, Any]]
+    lines: int
+    skipped: list[int]
+    reset: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rows": self.rows,
+            "lines": self.lines,
+            "skipped": {"count": len(self.skipped), "lines": self.skipped},
+            "reset": self.reset,
+        }
+
+
+def read_jsonl(run: Store, name: str, after_line: int = 0) -> JsonLines:
+    """A .jsonl file of a run (metrics.jsonl, events.jsonl) from line `after_line` + 1 on. A file that
+    does not exist yet reads as empty. A final line without its newline is being written: it is left
+    for the next read. A line that is not a JSON object is skipped and reported, never fatal."""
+    try:
+        text = run.read_bytes(name).decode(errors="replace")
+    except FileNotFoundError:
+        text = ""
+    lines = text.split("\n")[:-1]  # the part after the last newline is incomplete (or empty)
+    reset = after_line > len(lines)
+    start = 0 if reset else max(after_line, 0)
+    rows, skipped = [], []
+    for number, line in enumerate(lines[start:], start + 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append({**row, "line": number})
+        else:
+            skipped.append(number)
+    return JsonLines(rows, len(lines), skipped, reset)
+
+
+def read_metrics(output: str, run_id: str, *, since: int | None = None, after_line: int = 0) -> JsonLines:
+    """A run's metrics rows: those after line `after_line`, and of them those with a step above
+    `since` (a client that knows only the last step it has seen)."""
+    page = read_jsonl(open_run(output, run_id), "metrics.jsonl", after_line)
+    if since is not None:
+        page.rows = [r for r in page.rows if isinstance(r.get("step"), int) and r["step"] > since]
+    return page
+
+
+def read_events(output: str, run_id: str, after_line: int = 0) -> JsonLines:
+    """A run's events.jsonl rows (started, checkpoint, preempted, resumed, completed, ...)."""
+    return read_jsonl(open_run(output, run_id), "events.jsonl", after_line)
+
+
+def checkpoints(run: Store) -> list[dict[str, Any]]:
+    """A run's checkpoint steps, oldest first: step, name, whether it is complete (its meta.json lists
+    every file with its size), its creation time and total size, and which one LATEST names."""
+    files = run.list("checkpoints")
+    names = sorted({p.split("/")[1] for p in files if p.count("/") >= 2 and STEP_RE.match(p.split("/")[1])})
+    try:
+        latest = run.read_bytes(f"checkpoints/{LATEST}").decode().strip()
+    except FileNotFoundError:
+        latest = None
+    store = run.child("checkpoints")
+    out = []
+    for name in names:
+        meta = complete_meta(store, name)
+        out.append(
+            {
+                "step": int(name.split("-")[1]),
+                "name": name,
+                "complete": meta is not None,
+                "created": (meta or {}).get("created"),
+                "bytes": sum(f["size"] for f in meta["files"].values()) if meta else None,
+                "latest": name == latest,
+            }
+        )
+    return out
+
+
+def run_detail(output: str, run_id: str) -> dict[str, Any]:
+    """Everything about one run but its metrics, events and logs (read those as they grow): its table
+    row, config.json, status.json and checkpoints."""
+    run = open_run(output, run_id)
+    return {
+        "run_id": run_id,
+        "summary": _summary(open_store(output), run_id),
+        "config": read_json(run, "config.json") or {},
+        "status": read_json(run, "status.json") or {},
+        "checkpoints": checkpoints(run),
+        "url": run.url,
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,14 +290,31 @@ class LogLine:
     stamp: str  # ISO 8601, UTC, as the launcher wrote it
     node: str
     text: str
+    line: int = 0  # 1-based, within its node's file
+
+
+class NoLogs(UserError):
+    """A run without node logs: it ran on this machine, or its launcher has not uploaded any yet."""
 
 
 def node_logs(output: str, ref: str, node: str | None = None) -> tuple[str, list[LogLine]]:
     """A cluster run's per-node log lines in time order (run id under `output`, or its directory or
     URL); `node` keeps one node's. Returns the run id and the lines."""
+    store = locate(output, ref)
+    return store.url.rstrip("/").rsplit("/", 1)[-1], read_node_logs(store, node)
+
+
+def run_logs(output: str, run_id: str, node: str | None = None, after: dict[str, int] | None = None) -> list[LogLine]:
+    """Run `run_id`'s node log lines in time order; `after` (node -> lines already seen) keeps only the
+    lines each node wrote since."""
+    return read_node_logs(open_run(output, run_id), node, after)
+
+
+def read_node_logs(store: Store, node: str | None = None, after: dict[str, int] | None = None) -> list[LogLine]:
+    """The lines of a run directory's logs/<node>.log files (or, before the launcher has uploaded them,
+    of its local staging copies), in time order."""
     from dtrain.control.remote import logs_cache_dir
 
-    store = locate(output, ref)
     run_id = store.url.rstrip("/").rsplit("/", 1)[-1]
     names = [f for f in store.list("logs") if f.endswith(".log")]
     files = {Path(f).stem: store.read_bytes(f).decode(errors="replace") for f in names}
@@ -94,14 +322,16 @@ def node_logs(output: str, ref: str, node: str | None = None) -> tuple[str, list
         cache = logs_cache_dir(run_id)
         files = {p.stem: p.read_text(errors="replace") for p in sorted(cache.glob("*.log"))}
     if not files:
-        raise UserError(f"run {store.url} has no node logs (only runs launched on a cluster keep them, under logs/)")
+        raise NoLogs(f"run {store.url} has no node logs (only runs launched on a cluster keep them, under logs/)")
     if node is not None and node not in files:
-        raise UserError(f"run {run_id} has no log for node {node!r} (nodes: {', '.join(sorted(files))})")
+        raise NoLogs(f"run {run_id} has no log for node {node!r} (nodes: {', '.join(sorted(files))})")
     entries = []
     for name, text in files.items():
         if node is not None and name != node:
             continue
-        for i, line in enumerate(text.splitlines()):
+        seen = (after or {}).get(name, 0)
+        # A last line without its newline is still being written (or uploaded): the next read has it.
+        for i, line in enumerate(text.split("\n")[:-1][seen:], seen + 1):
             stamp, _, rest = line.partition(" ")
             entries.append((stamp, name, i, rest))
-    return run_id, [LogLine(stamp, name, rest) for stamp, name, _i, rest in sorted(entries)]
+    return [LogLine(stamp, name, rest, i) for stamp, name, i, rest in sorted(entries)]
