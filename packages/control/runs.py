@@ -271,6 +271,12 @@ def checkpoints(run: Store) -> list[dict[str, Any]]:
     return out
 
 
+def run_summary(output: str, run_id: str) -> dict[str, Any]:
+    """Run `run_id`'s row of the runs table."""
+    open_run(output, run_id)
+    return _summary(open_store(output), run_id)
+
+
 def run_detail(output: str, run_id: str) -> dict[str, Any]:
     """Everything about one run but its metrics, events and logs (read those as they grow): its table
     row, config.json, status.json and checkpoints."""

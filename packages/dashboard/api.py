@@ -1,0 +1,184 @@
+"""The REST API, /api/v1: runs, their metrics, events and logs; the cluster's nodes and GPUs; evals and
+Slurm jobs once those land. Each endpoint is one call into dtrain.control, as the CLI makes it.
+
+Errors are {"detail": "..."}: 400 for a bad run id or value, 404 for an unknown run (or one without
+node logs), 401 without the token on a non-local bind, 501 for what is not wired yet."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from dtrain.control import runs
+from dtrain.dashboard import live, table
+from dtrain.dashboard.app import Dashboard
+
+router = APIRouter(tags=["dtrain"])
+SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+
+
+def _dash(request: Request) -> Dashboard:
+    return request.app.state.dash
+
+
+@router.get("/runs", summary="Runs under the output location, filtered and sorted")
+def list_runs(
+    request: Request,
+    status: str = "",
+    workload: str = "",
+    q: str = "",
+    sort: str = table.DEFAULT_SORT,
+    desc: bool = True,
+) -> dict[str, Any]:
+    dash = _dash(request)
+    rows = table.select(runs.runs_table(dash.output), table.Query(status, workload, q, sort, desc))
+    return {"output": dash.output, "runs": rows}
+
+
+@router.get("/runs/{run_id}", summary="One run: its table row, config, status and checkpoints")
+def run(request: Request, run_id: str) -> dict[str, Any]:
+    return runs.run_detail(_dash(request).output, run_id)
+
+
+@router.get("/runs/{run_id}/metrics", summary="A run's metrics rows (those after a step, or after a line)")
+def metrics(
+    request: Request,
+    run_id: str,
+    since: Annotated[int | None, Query(description="only rows with a step above this")] = None,
+    after_line: Annotated[int, Query(ge=0, description="only rows after this line (the last answer's `lines`)")] = 0,
+) -> dict[str, Any]:
+    """Each row is a line of metrics.jsonl plus its line number; `skipped` counts and numbers the
+    lines that are not JSON (they are left out, never fatal)."""
+    return runs.read_metrics(_dash(request).output, run_id, since=since, after_line=after_line).as_dict()
+
+
+@router.get("/runs/{run_id}/events", summary="A run's events (started, checkpoint, preempted, ...)")
+def events(request: Request, run_id: str, after_line: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+    return runs.read_events(_dash(request).output, run_id, after_line=after_line).as_dict()
+
+
+@router.get("/runs/{run_id}/checkpoints", summary="A run's checkpoints, oldest first")
+def checkpoints(request: Request, run_id: str) -> dict[str, Any]:
+    return {"checkpoints": runs.checkpoints(runs.open_run(_dash(request).output, run_id))}
+
+
+@router.get("/runs/{run_id}/logs", summary="A cluster run's node logs; follow=1 streams new lines")
+async def logs(
+    request: Request,
+    run_id: str,
+    node: str | None = None,
+    tail: Annotated[int, Query(ge=0, description="the last N lines (0: all)")] = 500,
+    follow: bool = False,
+) -> Any:
+    """Without follow: {"lines": [{"stamp", "node", "text", "line"}]}, the last `tail` in time order.
+    With follow=1: server-sent events (`logs`, then `end` when the run has ended), from the last
+    `tail` lines on."""
+    output = _dash(request).output
+    lines = await run_in_threadpool(runs.run_logs, output, run_id, node)
+    shown = lines[-tail:] if tail else lines
+    if not follow:
+        return {"lines": [dataclasses.asdict(ln) for ln in shown]}
+    # Start the stream after everything not shown, so each line arrives once.
+    seen: dict[str, int] = {}
+    for ln in lines[: len(lines) - len(shown)]:
+        seen[ln.node] = max(seen.get(ln.node, 0), ln.line)
+    cursors = live.Cursors(logs=seen)
+
+    async def body() -> Any:
+        if shown:
+            for ln in shown:
+                cursors.logs[ln.node] = max(cursors.logs.get(ln.node, 0), ln.line)
+            yield live.message("logs", {"lines": [dataclasses.asdict(ln) for ln in shown]}, cursors)
+        async for chunk in live.stream(output, run_id, cursors, frozenset({"logs"}), request.is_disconnected):
+            yield chunk
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+@router.get("/runs/{run_id}/stream", summary="Server-sent events of a run as it trains (what the run page uses)")
+async def stream(
+    request: Request,
+    run_id: str,
+    metrics_line: Annotated[int, Query(ge=0)] = 0,
+    events_line: Annotated[int, Query(ge=0)] = 0,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> StreamingResponse:
+    """New metrics rows, events, node log lines and status changes (see dtrain.dashboard.live).
+    A reconnecting browser's Last-Event-ID carries on from where it stopped."""
+    output = _dash(request).output
+    await run_in_threadpool(runs.open_run, output, run_id)  # a bad or unknown id is refused before streaming
+    cursors = (last_event_id and live.Cursors.decode(last_event_id)) or live.Cursors(metrics_line, events_line)
+    if last_event_id is None:
+        # A page starts with the log tail it was rendered with: stream only what came after.
+        try:
+            for ln in await run_in_threadpool(runs.run_logs, output, run_id):
+                cursors.logs[ln.node] = max(cursors.logs.get(ln.node, 0), ln.line)
+        except runs.NoLogs:
+            pass
+    return StreamingResponse(
+        live.stream(output, run_id, cursors, live.PARTS, request.is_disconnected),
+        media_type="text/event-stream",
+        headers=SSE_HEADERS,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the cluster
+
+
+@router.get("/nodes", summary="The cluster's nodes: reachable, GPUs, CPU and memory")
+def nodes(request: Request) -> dict[str, Any]:
+    dash = _dash(request)
+    return {"cluster": dash.cluster.name, "nodes": [s.as_dict() for s in dash.node_states()]}
+
+
+@router.get("/gpus", summary="Every node's GPUs as nvidia-smi reports them (what `dtrain gpus --json` prints)")
+def gpus(request: Request) -> dict[str, Any]:
+    from dtrain.control.nodes import gpus as node_gpus
+
+    dash = _dash(request)
+    found = node_gpus(dash.cluster)
+    return {
+        "cluster": dash.cluster.name,
+        "gpus": {n: r if isinstance(r, str) else [dataclasses.asdict(g) for g in r] for n, r in found.items()},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# not wired yet: evals (`dtrain eval`) and the Slurm job queue land on main from other branches
+
+
+def _not_yet(what: str, module: str) -> JSONResponse:
+    landed = importlib.util.find_spec(module) is not None
+    why = f"{module} is on this install but not wired to the dashboard yet" if landed else f"{module} has not landed"
+    return JSONResponse({"detail": f"{what} is not available in the dashboard yet ({why})"}, status_code=501)
+
+
+@router.post("/evals", summary="Start an evaluation of a run (not wired yet: 501)", status_code=202)
+def start_eval() -> JSONResponse:
+    return _not_yet("evaluating a run", "dtrain.control.evals")
+
+
+@router.get("/evals/{eval_id}", summary="An evaluation's state and result (not wired yet: 501)")
+def read_eval(eval_id: str) -> JSONResponse:
+    return _not_yet("reading an evaluation", "dtrain.control.evals")
+
+
+@router.get("/jobs", summary="The cluster's Slurm queue (not wired yet: 501)")
+def list_jobs() -> JSONResponse:
+    return _not_yet("the job queue", "dtrain.control.jobs")
+
+
+@router.post("/jobs", summary="Submit a job to the Slurm queue (not wired yet: 501)")
+def submit_job() -> JSONResponse:
+    return _not_yet("submitting a job", "dtrain.control.jobs")
+
+
+@router.delete("/jobs/{job_id}", summary="Cancel a queued or running job (not wired yet: 501)")
+def cancel_job(job_id: str) -> JSONResponse:
+    return _not_yet("cancelling a job", "dtrain.control.jobs")

@@ -1,0 +1,134 @@
+"""The dashboard's pages, rendered here from Jinja2 templates (autoescaped). Each page's data comes
+from the same dtrain.control calls as the API; the charts are drawn in the browser by
+static/charts.js from the rows embedded in the page, and the run page keeps them current through
+/api/v1/runs/{id}/stream (live.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import HTMLResponse, Response
+from fastapi.templating import Jinja2Templates
+
+from dtrain.control import runs
+from dtrain.dashboard import table
+from dtrain.dashboard.app import HERE, Dashboard
+
+router = APIRouter(include_in_schema=False)
+templates = Jinja2Templates(directory=HERE / "templates")
+LOG_TAIL = 200  # lines of node logs a run page starts with
+COMPARE_MAX = 8  # runs one compare page overlays (colours stay distinguishable)
+
+
+def _dash(request: Request) -> Dashboard:
+    return request.app.state.dash
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def _when(stamp: float | None) -> str:
+    if not isinstance(stamp, (int, float)):
+        return "-"
+    return datetime.datetime.fromtimestamp(stamp, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _best(row: dict[str, Any]) -> str:
+    if row.get("best_value") is None:
+        return "-"
+    short = {"eval_accuracy": "acc", "eval_loss": "eval loss"}.get(row["best_metric"], row["best_metric"])
+    return f"{short} {row['best_value']:.4f}"
+
+
+templates.env.filters.update(duration=_duration, when=_when, best=_best)
+
+
+def render(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+    dash = _dash(request)
+    base = {"output": dash.output, "cluster_name": dash.cluster.name if dash.cluster_named else None}
+    return templates.TemplateResponse(request, name, {**base, **context}, status_code=status_code)
+
+
+def error_page(request: Request, status_code: int, message: str) -> Response:
+    return render(request, "error.html", status_code=status_code, status_code_=status_code, message=message)
+
+
+@router.get("/", response_class=HTMLResponse)
+def runs_page(
+    request: Request,
+    status: str = "",
+    workload: str = "",
+    q: str = "",
+    sort: str = table.DEFAULT_SORT,
+    desc: bool = True,
+) -> HTMLResponse:
+    dash = _dash(request)
+    query = table.Query(status, workload, q, sort, desc)
+    every = runs.runs_table(dash.output)
+    return render(
+        request,
+        "runs.html",
+        query=query,
+        rows=table.select(every, query),
+        total=len(every),
+        statuses=sorted({r["status"] for r in every}),
+        workloads=sorted({r["workload"] for r in every if r["workload"]}),
+        columns=list(table.SORT_KEYS),
+        compare_max=COMPARE_MAX,
+    )
+
+
+@router.get("/runs/{run_id}", response_class=HTMLResponse)
+def run_page(request: Request, run_id: str) -> HTMLResponse:
+    output = _dash(request).output
+    detail = runs.run_detail(output, run_id)
+    metrics = runs.read_metrics(output, run_id)
+    events = runs.read_events(output, run_id)
+    try:
+        logs, logs_note = runs.run_logs(output, run_id)[-LOG_TAIL:], ""
+    except runs.NoLogs as e:
+        logs, logs_note = [], str(e)
+    live = {
+        "run_id": run_id,
+        "status": detail["summary"]["status"],
+        "metrics": metrics.as_dict(),
+        "events": events.as_dict(),
+        "logs": [dataclasses.asdict(ln) for ln in logs],
+    }
+    return render(
+        request,
+        "run.html",
+        run=detail,
+        row=detail["summary"],
+        live=live,
+        events=events.rows,
+        logs_note=logs_note,
+        done=detail["summary"]["status"] in runs.DONE_STATES,
+    )
+
+
+@router.get("/compare", response_class=HTMLResponse)
+def compare_page(request: Request, run: Annotated[list[str] | None, Query()] = None) -> HTMLResponse:
+    output = _dash(request).output
+    chosen = list(dict.fromkeys(run or []))[:COMPARE_MAX]
+    data = [
+        {"run_id": r, "summary": runs.run_summary(output, r), "rows": runs.read_metrics(output, r).rows} for r in chosen
+    ]
+    return render(request, "compare.html", runs=data, every=runs.runs_table(output))
+
+
+@router.get("/cluster", response_class=HTMLResponse)
+def cluster_page(request: Request) -> HTMLResponse:
+    dash = _dash(request)
+    return render(request, "cluster.html", cluster=dash.cluster, named=dash.cluster_named, nodes=dash.node_states())

@@ -1,0 +1,82 @@
+// The run page: charts from the rows the server embedded, then kept current from the run's stream
+// of server-sent events (/api/v1/runs/{id}/stream) until the run ends.
+"use strict";
+
+(() => {
+  const data = JSON.parse(document.getElementById("run-data").textContent);
+  let rows = data.metrics.rows;
+  const skipped = new Set(data.metrics.skipped.lines);
+  const redraw = DtrainCharts.board(() => [{ name: data.run_id, rows }]);
+  const logs = document.getElementById("logs");
+  const LOG_LINES = 2000; // kept on the page
+
+  const when = (t) => (typeof t === "number" ? new Date(t * 1000).toISOString().slice(0, 19).replace("T", " ") : "");
+
+  function showSkipped() {
+    const box = document.getElementById("skipped");
+    if (!skipped.size) return;
+    const lines = [...skipped].sort((a, b) => a - b);
+    box.hidden = false;
+    box.textContent = `${lines.length} line(s) of metrics.jsonl are not JSON and are left out: line ${lines.slice(0, 20).join(", ")}${lines.length > 20 ? ", ..." : ""}`;
+  }
+
+  function addEvents(events) {
+    const body = document.querySelector("#events-table tbody");
+    for (const e of events) {
+      const tr = body.insertRow();
+      for (const v of [when(e.time), e.step ?? "", e.event ?? "", e.message ?? ""]) tr.insertCell().textContent = v;
+    }
+    if (events.length) document.getElementById("events-empty").hidden = true;
+  }
+
+  function addLogs(lines) {
+    if (!lines.length) return;
+    const note = document.getElementById("logs-note");
+    if (note) note.hidden = true;
+    const text = lines.map((l) => `${l.stamp.slice(11, 23)} [${l.node}] ${l.text}`).join("\n") + "\n";
+    logs.textContent = (logs.textContent + text).split("\n").slice(-LOG_LINES - 1).join("\n");
+    logs.scrollTop = logs.scrollHeight;
+  }
+
+  function showRun(detail) {
+    const row = detail.summary;
+    const status = document.getElementById("run-status");
+    status.textContent = row.status;
+    status.className = `status ${row.status}`;
+    document.getElementById("fact-step").textContent = row.last_step ?? "-";
+    if (row.best_value !== null) {
+      document.getElementById("fact-best").textContent = `${row.best_metric.replace("eval_accuracy", "acc")} ${row.best_value.toFixed(4)}`;
+    }
+    const body = document.querySelector("#checkpoints-table tbody");
+    body.replaceChildren();
+    for (const c of detail.checkpoints) {
+      const tr = body.insertRow();
+      const size = c.bytes === null ? "-" : `${(c.bytes / 1048576).toFixed(1)} MiB`;
+      for (const v of [c.step, when(c.created), size, !c.complete ? "incomplete" : c.latest ? "latest" : ""]) {
+        tr.insertCell().textContent = v;
+      }
+    }
+  }
+
+  addLogs(data.logs);
+  showSkipped();
+  if (["completed", "failed", "preempted", "interrupted", "stopped"].includes(data.status)) return;
+
+  const url = `/api/v1/runs/${encodeURIComponent(data.run_id)}/stream?metrics_line=${data.metrics.lines}&events_line=${data.events.lines}`;
+  const source = new EventSource(url);
+  source.addEventListener("metrics", (ev) => {
+    const page = JSON.parse(ev.data);
+    rows = page.reset ? page.rows : rows.concat(page.rows);
+    if (page.reset) skipped.clear();
+    page.skipped.lines.forEach((n) => skipped.add(n));
+    showSkipped();
+    redraw();
+  });
+  source.addEventListener("events", (ev) => addEvents(JSON.parse(ev.data).rows));
+  source.addEventListener("logs", (ev) => addLogs(JSON.parse(ev.data).lines));
+  source.addEventListener("run", (ev) => showRun(JSON.parse(ev.data)));
+  source.addEventListener("end", () => {
+    source.close();
+    document.getElementById("live").hidden = true;
+  });
+})();
