@@ -60,8 +60,16 @@ def logs(
     run: Annotated[str, typer.Argument(help="run id under --output, or the run's directory / gs:// URL")],
     output: o.Output = None,
     node: Annotated[str | None, typer.Option("--node", help="only this node's lines", show_default=False)] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing new lines until the run ends")] = False,
 ) -> None:
-    """Replay a cluster run's logs: every node's lines in time order, prefixed with the node's name."""
+    """A cluster run's logs: every node's lines in time order, prefixed with the node's name; -f follows them live."""
+    if follow:
+        from dtrain.control.logs import follow_logs
+
+        with console.operation() as (_events, handle):
+            for line in follow_logs(_output(output), run, node=node, handle=handle):
+                console.out.print(f"[{line.node}] {line.text}", markup=False, highlight=False, soft_wrap=True)
+        return
     from dtrain.control.runs import node_logs
 
     _run_id, lines = node_logs(_output(output), run, node)

@@ -80,6 +80,7 @@ class Checkpointer:
         run_config: dict[str, Any],
         log: Callable[[str], None] = print,
         before_save: Callable[[], None] = lambda: None,
+        on_event: Callable[..., None] = lambda *_a, **_k: None,
     ) -> None:
         self.store = store  # the run's checkpoints/ prefix
         self.d = d
@@ -88,6 +89,9 @@ class Checkpointer:
         self.model_config = model_config
         self.run_config = run_config
         self.log = log
+        # (step, kind, message, **fields) on rank 0 when a checkpoint is loaded ("resumed") or committed
+        # ("checkpoint"): the run's events (Reporter.event).
+        self.on_event = on_event
         # Called on rank 0 before each save, so files that describe the run up to this step
         # (metrics.jsonl) are never behind the checkpoint a resume starts from.
         self.before_save = before_save
@@ -138,6 +142,8 @@ class Checkpointer:
                 )
         self.last_saved_step = state["step"]
         self.log(f"resuming from {self.store.join(found.name)} (step {state['step']})")
+        if self.d.is_main:
+            self.on_event(state["step"], "resumed", f"resumed from step {state['step']}", world_size=self.d.world_size)
         return state
 
     # -- writing ------------------------------------------------------------------------------
@@ -250,6 +256,7 @@ class Checkpointer:
         meta["files"] = {STATE_FILE: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
         self.store.write_bytes(f"{name}/{META_FILE}", json.dumps(meta, indent=1).encode())
         self.store.write_bytes(LATEST, name.encode())
+        self.on_event(step, "checkpoint", f"checkpoint step {step} saved", bytes=len(data))
         self._prune(step)
 
     def _disk_full(self, e: DiskFull, step: int | None) -> Exception:

@@ -1,44 +1,70 @@
-"""Rank-0 reporting: metrics.jsonl, TensorBoard events when tensorboard is installed, and the
-console (a rich progress bar and a few summary lines). On other ranks every method does nothing,
-so training code calls them without `if rank == 0`."""
+"""Rank-0 reporting: metrics.jsonl, events.jsonl, TensorBoard, and the console (a rich progress bar and
+a few summary lines). On other ranks every method does nothing, so training code calls them without
+`if rank == 0`.
+
+Both JSONL files grow as the run goes; they are never rewritten (but once, on a resume, to drop the
+lines of the steps it replays). A local run appends each line as it is logged. A run in a bucket
+appends in chunks (Store.append_bytes: a server-side compose, no rewrite), from a background thread,
+at least every FLUSH_EVERY_S, so a reader is never more than that behind. TensorBoard's event files
+are written on this machine and, for a run in a bucket, copied up on the same schedule (its writer
+appends to open files, which an object store cannot do).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from dtrain.common import env as envmod
-from dtrain.common.storage import Store
+from dtrain.common.storage import Store, is_remote
 
 # Read by the SSH launcher (dtrain.control.remote). STX, since \x1e would be a line break to str.splitlines.
 PROGRESS_PREFIX = "\x02dtrain-progress "
 PROGRESS_EVERY_S = 0.5
+# A run in a bucket: its new metrics lines (and TensorBoard files) go up at least this often.
+FLUSH_EVERY_S = 10.0
+METRICS = "metrics.jsonl"
+EVENTS = "events.jsonl"
 
 
 class Reporter:
     def __init__(
-        self, *, enabled: bool, store: Store | None = None, tb_dir: str | None = None, resume: bool = False
+        self,
+        *,
+        enabled: bool,
+        store: Store | None = None,
+        tb_dir: str | None = None,
+        tb_sync: Store | None = None,
+        resume: bool = False,
     ) -> None:
+        """`tb_dir`: where TensorBoard writes (local); `tb_sync`: where its files are copied to (the run's
+        tensorboard/ in a bucket), None when tb_dir is already in the run."""
         self.enabled = enabled
         self.store = store
-        self._lines: list[str] = []
+        self._pending: list[str] = []  # metrics lines logged and not yet in the store
+        self._lock = threading.Lock()  # the pending lines
+        self._io = threading.Lock()  # one write to the store at a time, in order
         self._tb = None
+        self._tb_dir = tb_dir
+        self._tb_sync = tb_sync
+        self._tb_sizes: dict[str, int] = {}
         self._progress = None
         self._task = None
         self._t0 = time.monotonic()
         self._events: dict[str, Any] | None = None
         self._last_event = 0.0
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
         if not enabled:
             return
         from rich.console import Console
 
         self.console = Console(force_terminal=envmod.console_is_terminal(), highlight=False, soft_wrap=True)
-        if store is not None and resume:
-            with contextlib.suppress(FileNotFoundError):
-                self._lines = store.read_bytes("metrics.jsonl").decode().splitlines()
         if tb_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -46,10 +72,22 @@ class Reporter:
                 pass
             else:
                 self._tb = SummaryWriter(log_dir=tb_dir)
+        if store is not None and (is_remote(store.url) or tb_sync is not None):
+            self._flusher = threading.Thread(target=self._flush_periodically, name="metrics-flush", daemon=True)
+            self._flusher.start()
 
     def rewind(self, step: int) -> None:
-        """Drop metrics lines past `step`: a resumed run replays those steps and logs them again."""
-        self._lines = [ln for ln in self._lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        """Drop metrics lines past `step`: a resumed run replays those steps and logs them again. The
+        one rewrite of metrics.jsonl in a run's life."""
+        if not self.enabled or self.store is None:
+            return
+        try:
+            text = self.store.read_bytes(METRICS).decode(errors="replace")
+        except FileNotFoundError:
+            return
+        kept = [ln for ln in text.splitlines() if (row := _row(ln)) is not None and row.get("step", 0) <= step]
+        with self._io:
+            self.store.write_bytes(METRICS, "".join(ln + "\n" for ln in kept).encode())
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -84,30 +122,104 @@ class Reporter:
             print(PROGRESS_PREFIX + json.dumps(self._events), flush=True)
 
     def log(self, step: int, **values: Any) -> None:
-        """One metrics line (rank 0). Lines are kept in memory and flushed by `flush()`."""
+        """One metrics line (rank 0): in the file at once for a local run, within FLUSH_EVERY_S for one
+        in a bucket."""
         if not self.enabled:
             return
         row = {"step": step, "time": round(time.time(), 3), **{k: _plain(v) for k, v in values.items()}}
-        self._lines.append(json.dumps(row))
+        with self._lock:
+            self._pending.append(json.dumps(row))
         if self._tb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, step)
+        if self.store is not None and not is_remote(self.store.url):
+            self._write_pending()
+
+    def event(self, step: int | None, kind: str, message: str, **fields: Any) -> None:
+        """Something that happened to the run rather than a measurement (started, resumed, a checkpoint
+        saved, preempted, failed, completed; its precision changed on a resume): one line of
+        events.jsonl {"time", "step", "event", "message", ...}, written at once, and a console line.
+        Safe from any thread (the checkpoint writer reports its commits)."""
+        if not self.enabled:
+            return
+        if kind not in ("checkpoint", "started"):  # the console says those already
+            self.info(f"step {step}: {message}" if step is not None else message)
+        if self.store is not None:
+            with self._io:
+                record_event(self.store, step, kind, message, **fields)
+
+    def _write_pending(self) -> None:
+        with self._io:
+            with self._lock:
+                lines, self._pending = self._pending, []
+            if lines and self.store is not None:
+                try:
+                    self.store.append_bytes(METRICS, "".join(ln + "\n" for ln in lines).encode())
+                except BaseException:
+                    with self._lock:  # not lost: they go with the next write
+                        self._pending[:0] = lines
+                    raise
 
     def flush(self) -> None:
-        """Write metrics.jsonl in full (a small file; one atomic write works for gs:// too)."""
-        if self.enabled and self.store is not None:
-            self.store.write_bytes("metrics.jsonl", ("\n".join(self._lines) + "\n").encode())
+        """Everything logged so far into the store (a checkpoint calls this first)."""
+        if not self.enabled:
+            return
+        self._write_pending()
         if self._tb is not None:
             self._tb.flush()
+            self._sync_tensorboard()
+
+    def _sync_tensorboard(self) -> None:
+        """Copy TensorBoard's files that grew since the last copy (whole: they are small)."""
+        if self._tb_sync is None or self._tb_dir is None:
+            return
+        for path in sorted(Path(self._tb_dir).rglob("*")):
+            if not path.is_file():
+                continue
+            size = path.stat().st_size
+            rel = path.relative_to(self._tb_dir).as_posix()
+            if self._tb_sizes.get(rel) != size:
+                with self._io:
+                    self._tb_sync.write_bytes(rel, path.read_bytes())
+                self._tb_sizes[rel] = size
+
+    def _flush_periodically(self) -> None:
+        while not self._stop.wait(FLUSH_EVERY_S):
+            # A failed upload is retried at the next tick; close() reports what is still failing.
+            with contextlib.suppress(Exception):
+                self.flush()
 
     def close(self) -> None:
+        self._stop.set()
+        if self._flusher is not None:
+            self._flusher.join(timeout=FLUSH_EVERY_S + 60)
+            self._flusher = None
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
-        self.flush()
         if self._tb is not None:
             self._tb.close()
+        self.flush()
+
+
+def record_event(run: Store, step: int | None, kind: str, message: str, **fields: Any) -> None:
+    """Append one line to the run's events.jsonl. Best effort: an event must never fail the run it
+    describes."""
+    row = {"time": round(time.time(), 3), "step": step, "event": kind, "message": message, **fields}
+    with contextlib.suppress(Exception):
+        run.append_bytes(EVENTS, (json.dumps(row, default=str) + "\n").encode())
+
+
+def _row(line: str) -> dict[str, Any] | None:
+    """A JSONL line as an object, or None for a blank or corrupt line."""
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
 
 
 def progress_bar(console: Any) -> Any:

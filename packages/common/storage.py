@@ -33,6 +33,10 @@ _TMP_PREFIX = ".dtrain-tmp-"  # in-flight local writes; list() hides them
 # flaky link re-sends. Must be a multiple of 256 KiB. Smaller objects (<= 8 MiB) go in one request.
 _CHUNK_SIZE = 16 * 1024 * 1024
 _TIMEOUT_S = 120.0  # per HTTP request (connect and read), not per transfer
+# appends to a gs:// object (append_bytes): the parts uploaded before a compose, and when to rewrite
+# the object whole (GCS refuses a composite of more than 1,024 components).
+_APPEND_PART = ".dtrain-append-"
+APPEND_COMPACT_AT = 1000
 # check_writable runs before training starts; a missing network should fail it in seconds,
 # not after the library's default two minutes of retries.
 _CHECK_RETRY_S = 10.0
@@ -69,7 +73,8 @@ class Store(Protocol):
     def join(self, rel: str) -> str: ...
     def child(self, rel: str) -> Store: ...
     def write_bytes(self, rel: str, data: bytes) -> None: ...
-    def read_bytes(self, rel: str) -> bytes: ...
+    def append_bytes(self, rel: str, data: bytes) -> None: ...
+    def read_bytes(self, rel: str, start: int = 0) -> bytes: ...
     def exists(self, rel: str) -> bool: ...
     def size(self, rel: str) -> int: ...
     def list(self, rel_prefix: str = "") -> list[str]: ...
@@ -154,9 +159,23 @@ class LocalStore:
         finally:
             os.close(dir_fd)
 
-    def read_bytes(self, rel: str) -> bytes:
+    def append_bytes(self, rel: str, data: bytes) -> None:
+        """Add `data` at the end (creating the file): a reader sees the file grow, never rewritten."""
+        target = self._path(rel)
         try:
-            return self._path(rel).read_bytes()
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with target.open("ab") as f:
+                f.write(data)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise DiskFull(str(target), len(data), _free_bytes(target.parent)) from e
+
+    def read_bytes(self, rel: str, start: int = 0) -> bytes:
+        try:
+            with self._path(rel).open("rb") as f:
+                f.seek(start)
+                return f.read()
         except FileNotFoundError:
             raise FileNotFoundError(self.join(rel)) from None
 
@@ -273,13 +292,37 @@ class GCSStore:
         # because google-cloud-storage 2.x retried uploads only with if_generation_match set.
         blob.upload_from_string(data, content_type="application/octet-stream", timeout=_TIMEOUT_S, retry=DEFAULT_RETRY)
 
-    def read_bytes(self, rel: str) -> bytes:
-        from google.api_core.exceptions import NotFound
+    def append_bytes(self, rel: str, data: bytes) -> None:
+        """Add `data` at the end of an object without rewriting it: the new bytes are uploaded as an
+        object of their own, then composed onto the end server-side (objects.compose), so a reader
+        sees one object that grows. A composite object may have at most 1,024 components; past
+        APPEND_COMPACT_AT the object is rewritten once (downloaded and uploaded whole), which resets
+        the count. One writer per object (rank 0)."""
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        blob = self._bucket.blob(self._name(rel))
+        if not blob.exists(timeout=_TIMEOUT_S):
+            self.write_bytes(rel, data)
+            return
+        part = self._bucket.blob(f"{self._name(rel)}{_APPEND_PART}{secrets.token_hex(4)}")
+        part.upload_from_string(data, content_type="application/octet-stream", timeout=_TIMEOUT_S, retry=DEFAULT_RETRY)
+        try:
+            blob.compose([blob, part], timeout=_TIMEOUT_S)
+        finally:
+            with contextlib.suppress(Exception):
+                part.delete(timeout=_TIMEOUT_S)
+        if (blob.component_count or 0) >= APPEND_COMPACT_AT:
+            self.write_bytes(rel, self.read_bytes(rel))
+
+    def read_bytes(self, rel: str, start: int = 0) -> bytes:
+        from google.api_core.exceptions import NotFound, RequestRangeNotSatisfiable
 
         try:
-            return self._bucket.blob(self._name(rel)).download_as_bytes(timeout=_TIMEOUT_S)
+            return self._bucket.blob(self._name(rel)).download_as_bytes(start=start or None, timeout=_TIMEOUT_S)
         except NotFound:
             raise FileNotFoundError(self.join(rel)) from None
+        except RequestRangeNotSatisfiable:  # asked from the end: nothing new
+            return b""
 
     def exists(self, rel: str) -> bool:
         return self._bucket.blob(self._name(rel)).exists(timeout=_TIMEOUT_S)
@@ -300,8 +343,11 @@ class GCSStore:
 
     def list(self, rel_prefix: str = "") -> list[str]:
         skip = len(self.prefix) + 1 if self.prefix else 0
-        # Names ending in "/" are folder placeholders made by the console, not files.
-        return sorted(b.name[skip:] for b in self._blobs(rel_prefix) if not b.name.endswith("/"))
+        # Names ending in "/" are folder placeholders made by the console, not files; an append's
+        # part object is not a file either.
+        return sorted(
+            b.name[skip:] for b in self._blobs(rel_prefix) if not b.name.endswith("/") and _APPEND_PART not in b.name
+        )
 
     def delete(self, rel_prefix: str) -> None:
         from google.api_core.exceptions import NotFound

@@ -20,10 +20,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 from dtrain.common import config as cfgmod
+from dtrain.common import env as envmod
 from dtrain.common.checkpoint import Checkpointer
 from dtrain.common.dist import Dist, PeerFailure, distributed, is_comm_failure
 from dtrain.common.errors import ExitCode, Preempted, UserError
-from dtrain.common.metrics import Reporter, print_error
+from dtrain.common.metrics import Reporter, print_error, record_event
 from dtrain.common.precision import PrecisionPolicy, device_name, resolve_precision
 from dtrain.common.preempt import PreemptionWatch
 from dtrain.common.rundir import RUN_ID_RE, config_diff, locate, new_run_id, read_json, run_location, write_json
@@ -206,11 +207,15 @@ def _on_main_then_share(d: Dist, fn: Callable[[], None]) -> None:
 
 
 def _context(workload: str, cfg: Any, d: Dist, run: Store, run_id: str, *, resuming: bool) -> Context:
+    # TensorBoard writes to files it keeps open and appends to: in the run's directory when that is
+    # local, else on this machine, copied up with the metrics (Reporter).
+    remote = is_remote(run.url)
     report = Reporter(
         enabled=d.is_main,
         store=run,
         resume=resuming,
-        tb_dir=None if is_remote(run.url) else os.path.join(run.url, "tensorboard"),
+        tb_dir=str(envmod.cache_dir() / "tensorboard" / run_id) if remote else os.path.join(run.url, "tensorboard"),
+        tb_sync=run.child("tensorboard") if remote else None,
     )
     precision = resolve_precision(cfg.run.precision, d.device)
     ifnames = "".join(f", {k}={v}" for k, v in d.env.socket_ifnames.items())
@@ -228,7 +233,11 @@ def _context(workload: str, cfg: Any, d: Dist, run: Store, run_id: str, *, resum
         run_config=cfgmod.flatten(cfg),
         log=report.info,
         before_save=report.flush,
+        on_event=report.event,
     )
+    if not resuming:  # a resume says so, with its step, when the checkpoint is loaded
+        hosts = sorted({p.host for p in d.peers}) or [d.env.hostname]
+        report.event(0, "started", f"started on {d.world_size} process(es)", world_size=d.world_size, hosts=hosts)
     return Context(workload, cfg, d, run, run_id, resuming, report, precision, ckpt, PreemptionWatch())
 
 
@@ -245,9 +254,15 @@ def _status(d: Dist | None, run: Store | None, state: str, code: ExitCode, ctx: 
     """Record how the run ended (rank 0). Best effort: the exit code is what counts."""
     if run is None or (d is not None and not d.is_main):
         return
+    step = None
     if ctx is not None:
         with contextlib.suppress(Exception):
             ctx.ckpt.close()
+        step = ctx.ckpt.last_saved_step
+    message = {"completed": "completed", "preempted": "preempted (SIGTERM): checkpoint saved"}.get(
+        state, f"{state} (exit {int(code)})" + (f": {extra['error']}" if extra.get("error") else "")
+    )
+    record_event(run, step, state, message, exit_code=int(code))
     with contextlib.suppress(Exception):
         prev = read_json(run, "status.json") or {}
         write_json(

@@ -56,6 +56,8 @@ INT_GRACE_S = 5.0  # Ctrl-C: the job's processes get this long to exit before th
 FAIL_FAST_GRACE_S = 15.0  # a node failed: the others get this long to notice before they are killed
 SHUTDOWN_GRACE_S = 45.0  # SIGTERM: workers checkpoint and exit PREEMPTED
 PORT_CHECK_TIMEOUT_S = 5.0
+LOG_SYNC_S = 2.0  # a node's lines reach the run's logs/ at least this often (and at the end)
+JOB_ENDED = "dtrain: job ended"  # the last line of each node's log for one launch of the job
 # Passed to the job on every node when set here (over stdin, never on a command line or in a log).
 FORWARD_ENV = ("STORAGE_EMULATOR_HOST", "HF_TOKEN", "HF_HUB_OFFLINE", "DTRAIN_OFFLINE", "HF_ENDPOINT")
 DOCKER_CHECK_TIMEOUT_S = 60
@@ -417,29 +419,67 @@ def node_paths(args: dict[str, Any], run_url: str) -> dict[str, str]:
 
 
 class LogFiles:
-    """Per-node log files: written live to a local staging directory, copied under the run's
-    logs/ when the job ends (the run may live in a bucket)."""
+    """Per-node log files: written live to a local staging directory, and appended to the run's
+    logs/<node>.log every LOG_SYNC_S from a background thread (the run may live in a bucket), so
+    `dtrain logs RUN -f` and the dashboard see a node's lines within seconds. Nothing is uploaded
+    before the run has its config.json: a job refused for bad input leaves no run behind."""
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, run: Store) -> None:
         self.dir = logs_cache_dir(run_id)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.run = run
         self._files: dict[str, IO[str]] = {}
+        # Bytes of each local file already in the run: what an earlier launch of this run wrote
+        # from this machine went up then.
+        self._synced = {p.name: p.stat().st_size for p in self.dir.glob("*.log")}
+        self._started = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sync_periodically, name="log-sync", daemon=True)
+        self._thread.start()
 
     def write(self, node: str, line: str) -> None:
-        f = self._files.get(node)
-        if f is None:
-            f = self._files[node] = (self.dir / f"{node}.log").open("a", encoding="utf-8")
         stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
-        f.write(f"{stamp} {line}\n")
-        f.flush()
+        with self._lock:
+            f = self._files.get(node)
+            if f is None:
+                f = self._files[node] = (self.dir / f"{node}.log").open("a", encoding="utf-8")
+            f.write(f"{stamp} {line}\n")
+            f.flush()
 
-    def close(self, run: Store) -> None:
-        for f in self._files.values():
-            f.close()
+    def sync(self) -> None:
+        """Append what the local files gained since the last sync to the run's logs/."""
+        if not self._started:
+            self._started = self.run.exists("config.json")
+            if not self._started:
+                return
+        for path in sorted(self.dir.glob("*.log")):
+            done = self._synced.get(path.name, 0)
+            with path.open("rb") as f:
+                f.seek(done)
+                data = f.read()
+            end = data.rfind(b"\n") + 1  # whole lines only: a line being written waits for the next sync
+            if end:
+                self.run.append_bytes(f"logs/{path.name}", data[:end])
+                self._synced[path.name] = done + end
+
+    def _sync_periodically(self) -> None:
+        while not self._stop.wait(LOG_SYNC_S):
+            with contextlib.suppress(Exception):  # retried at the next tick, and at close
+                self.sync()
+
+    def close(self, run: Store | None = None) -> None:
+        self._stop.set()
+        self._thread.join(timeout=LOG_SYNC_S + 60)
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
         with contextlib.suppress(Exception):
-            if run.exists("config.json"):  # a run stopped by bad input before it started leaves nothing
-                for p in sorted(self.dir.glob("*.log")):
-                    run.write_bytes(f"logs/{p.name}", p.read_bytes())
+            self.sync()
+            # A workload refused for bad input deletes its fresh run; lines uploaded meanwhile go too.
+            if self._started and not self.run.exists("config.json"):
+                self.run.delete("logs")
 
 
 def logs_cache_dir(run_id: str) -> Path:
@@ -621,67 +661,71 @@ def launch_cluster(
 
         cluster = dataclasses.replace(cluster, image=check_image(image, "--image"))
     archive, digest = agent_archive() if cluster.image else code_archive()
-    logs = LogFiles(run_id)
-    with SSH(cluster, accept_new_host_keys=accept_new_host_keys) as ssh:
-        attempt = 0
-        while True:
-            t0 = time.monotonic()
-            ssh.connect_all()
-            if attempt == 0:
-                sync_code(ssh, run_id, archive)
-                if cluster.image:
-                    check_docker(ssh)
-                    pulled_s = pull_image(ssh, cluster.image)
-                    events.info(f"pulled {cluster.image} on {len(cluster.nodes)} node(s) in {pulled_s:.1f} s")
-            infos = node_infos(ssh, run_id, container=bool(cluster.image))
-            check_port(ssh, run_id, cluster.master, cluster.rdzv_port, cluster.nodes[1:], "rendezvous")
-            m = infos[cluster.master.name]
-            n = nproc or processes(0, gpus=m.gpus, cpus=m.cpus, oversubscribe=False)
-            for node in cluster.nodes:  # every node runs n processes: each must have room for them
-                i = infos[node.name]
-                processes(n, gpus=i.gpus, cpus=i.cpus, oversubscribe=oversubscribe, where=f"node {node.name}")
-            specs = {
-                node.name: job_spec(
-                    cluster,
-                    node,
-                    module=f"dtrain.{workload}.train",
+    logs = LogFiles(run_id, run)
+    try:
+        with SSH(cluster, accept_new_host_keys=accept_new_host_keys) as ssh:
+            attempt = 0
+            while True:
+                t0 = time.monotonic()
+                ssh.connect_all()
+                if attempt == 0:
+                    sync_code(ssh, run_id, archive)
+                    if cluster.image:
+                        check_docker(ssh)
+                        pulled_s = pull_image(ssh, cluster.image)
+                        events.info(f"pulled {cluster.image} on {len(cluster.nodes)} node(s) in {pulled_s:.1f} s")
+                infos = node_infos(ssh, run_id, container=bool(cluster.image))
+                check_port(ssh, run_id, cluster.master, cluster.rdzv_port, cluster.nodes[1:], "rendezvous")
+                m = infos[cluster.master.name]
+                n = nproc or processes(0, gpus=m.gpus, cpus=m.cpus, oversubscribe=False)
+                for node in cluster.nodes:  # every node runs n processes: each must have room for them
+                    i = infos[node.name]
+                    processes(n, gpus=i.gpus, cpus=i.cpus, oversubscribe=oversubscribe, where=f"node {node.name}")
+                specs = {
+                    node.name: job_spec(
+                        cluster,
+                        node,
+                        module=f"dtrain.{workload}.train",
+                        run_id=run_id,
+                        nproc=n,
+                        threads=max(1, infos[node.name].cpus // n),
+                        max_restarts=0,  # dtrain relaunches the whole job instead (see below)
+                        argv=to_argv(args),
+                        gpus=max(infos[node.name].gpus, node.gpus),
+                        paths=node_paths(args, run.url),
+                        debug=debug,
+                    )
+                    for node in cluster.nodes
+                }
+                verb = "resuming" if resumed is not None or attempt else "starting"
+                events.emit(
+                    "launch",
+                    f"{verb} {workload} run {run_id} on cluster {cluster.name}: "
+                    f"{len(cluster.nodes)} node(s) x {n} process(es), "
+                    + (f"image {cluster.image} " if cluster.image else f"torch {m.torch}, code {digest} ")
+                    + f"(ready in {time.monotonic() - t0:.1f} s)",
                     run_id=run_id,
+                    workload=workload,
+                    nodes=len(cluster.nodes),
                     nproc=n,
-                    threads=max(1, infos[node.name].cpus // n),
-                    max_restarts=0,  # dtrain relaunches the whole job instead (see below)
-                    argv=to_argv(args),
-                    gpus=max(infos[node.name].gpus, node.gpus),
-                    paths=node_paths(args, run.url),
-                    debug=debug,
                 )
-                for node in cluster.nodes
-            }
-            verb = "resuming" if resumed is not None or attempt else "starting"
-            events.emit(
-                "launch",
-                f"{verb} {workload} run {run_id} on cluster {cluster.name}: "
-                f"{len(cluster.nodes)} node(s) x {n} process(es), "
-                + (f"image {cluster.image} " if cluster.image else f"torch {m.torch}, code {digest} ")
-                + f"(ready in {time.monotonic() - t0:.1f} s)",
-                run_id=run_id,
-                workload=workload,
-                nodes=len(cluster.nodes),
-                nproc=n,
-            )
-            job = Job(ssh, cluster, run_id, specs, logs, events=events, handle=handle)
-            code = job.run()
-            retry = code not in (0, int(ExitCode.USAGE), int(ExitCode.PREEMPTED)) and not job.interrupted
-            if not retry or attempt >= max_restarts or not run.exists("config.json"):
-                break
-            # Relaunch every node from the last complete checkpoint. torchrun's own restarts are not
-            # used across nodes: a node whose agent restarts on a membership change counts no
-            # restart, so the nodes' store prefixes and TORCHELASTIC_RESTART_COUNT disagree.
-            attempt += 1
-            events.info(
-                f"dtrain: the job failed (exit {code}); relaunching it on every node from the last "
-                f"complete checkpoint (restart {attempt} of {max_restarts})"
-            )
-            args = {**{k: v for k, v in args.items() if k != "run_id"}, "resume": run.url}
+                job = Job(ssh, cluster, run_id, specs, logs, events=events, handle=handle)
+                code = job.run()
+                for node in cluster.nodes:  # how `dtrain logs -f` knows a node's lines are complete
+                    logs.write(node.name, f"{JOB_ENDED} (exit {job.codes.get(node.name, code)})")
+                retry = code not in (0, int(ExitCode.USAGE), int(ExitCode.PREEMPTED)) and not job.interrupted
+                if not retry or attempt >= max_restarts or not run.exists("config.json"):
+                    break
+                # Relaunch every node from the last complete checkpoint. torchrun's own restarts are not
+                # used across nodes: a node whose agent restarts on a membership change counts no
+                # restart, so the nodes' store prefixes and TORCHELASTIC_RESTART_COUNT disagree.
+                attempt += 1
+                events.info(
+                    f"dtrain: the job failed (exit {code}); relaunching it on every node from the last "
+                    f"complete checkpoint (restart {attempt} of {max_restarts})"
+                )
+                args = {**{k: v for k, v in args.items() if k != "run_id"}, "resume": run.url}
+    finally:
         logs.close(run)
     forwarded = [signal.SIGINT] if job.interrupted else []
     return outcome(run, code, forwarded), run, run_id

@@ -347,3 +347,65 @@ def test_debian_style_hostnames_need_no_interface_key(
         rf"its hostname {re.escape(os.uname().nodename)} resolves to 127\.0\.1\.1"
     )
     assert len(errors) == 1 and re.fullmatch(wanted, errors[0]), bad.stderr
+
+
+def test_node_logs_reach_the_run_while_it_trains_and_logs_f_follows_them(
+    cwd: Path, emulator: str, testbed: Testbed
+) -> None:
+    """Each node's lines are in the run's logs/ in the bucket within 10 s of the launcher receiving
+    them (each line carries that time; a line from before the run existed counts from the run's
+    creation), while the job runs; `dtrain logs RUN -f` prints them as they come and returns when the
+    job has ended."""
+    import datetime
+
+    out = bucket(emulator)
+    args = [*MNIST[: MNIST.index("--epochs")], "--epochs", "3", "--train-split", "train[:4096]",
+            "--batch-size", "256", "--nproc", "1", "--output", out]  # fmt: skip
+    job = start(cwd, emulator, *args)
+    follower = None
+    try:
+        store = open_store(out)
+        run_id = wait_for_value(lambda: next(iter({n.split("/")[0] for n in store.list("")}), None), job, 120)
+        run = store.child(run_id)
+        follower = start(cwd, emulator, "logs", run_id, "--output", out, "-f")
+        created = wait_for_value(lambda: (read_json(run, "config.json") or {}).get("created"), job, 120)
+        lags: dict[str, float] = {}
+        seen = 0
+        while job.poll() is None:
+            try:
+                text = run.read_bytes("logs/h0.log").decode()
+            except FileNotFoundError:
+                text = ""
+            now = datetime.datetime.now(datetime.timezone.utc).timestamp()
+            for ln in text.splitlines()[seen:]:
+                stamp, _, line = ln.partition(" ")
+                lags[line] = now - max(datetime.datetime.fromisoformat(stamp).timestamp(), created)
+            seen = len(text.splitlines())
+            time.sleep(0.25)
+        assert job.returncode == 0, job.stdout.read()
+        during = [line for line in lags if "eval accuracy" in line and not line.startswith("epoch 3/3")]
+        assert during, lags  # epoch 1's and 2's results arrived while the job still ran
+        assert max(lags.values()) <= 10.0, lags
+        followed, _ = follower.communicate(timeout=60)
+        assert follower.returncode == 0, followed
+        lines = followed.splitlines()
+        epochs = [ln.split(":")[0] for ln in lines if ln.startswith("[h0] epoch ") and "eval accuracy" in ln]
+        assert epochs == ["[h0] epoch 1/3", "[h0] epoch 2/3", "[h0] epoch 3/3"], followed
+        assert {ln.split("]")[0] for ln in lines if ln.startswith("[h")} == {"[h0", "[h1"}
+        assert sorted(lines[-2:]) == ["[h0] dtrain: job ended (exit 0)", "[h1] dtrain: job ended (exit 0)"], lines
+    finally:
+        for p in (job, follower):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def wait_for_value(fn, proc: subprocess.Popen, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    raise AssertionError(f"nothing after {timeout} s")

@@ -93,6 +93,10 @@ def reference(tmp_path_factory) -> Path:
     return only_run(cwd / "runs")
 
 
+def events(run: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run / "events.jsonl").read_text().splitlines()]
+
+
 def final_weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run / "final" / "model.safetensors"))
 
@@ -198,8 +202,19 @@ def test_sigterm_checkpoints_then_exits_3_and_resumes(tmp_path, reference):
     ckpt_meta = json.loads((run / "checkpoints" / f"step-{stopped:08d}" / "meta.json").read_text())
     assert ckpt_meta["step"] == stopped  # the SIGTERM save is the newest complete checkpoint
     assert_no_workers_left([run])
+    kinds = [(e["event"], e["step"]) for e in events(run)]
+    assert kinds[0] == ("started", 0) and kinds[-1] == ("preempted", stopped), kinds
+    periodic = list(range(16, stopped + 1, 16))
+    assert [s for k, s in kinds if k == "checkpoint"] == periodic + ([stopped] if stopped % 16 else []), kinds
 
     resume_equals_reference(tmp_path, run, stopped, reference, stopped_at=stopped, by_path=True)
+    kinds = [(e["event"], e["step"]) for e in events(run)]
+    assert kinds[-2:] == [("checkpoint", 128), ("completed", 128)], kinds
+    assert ("resumed", stopped) in kinds and kinds.index(("resumed", stopped)) > kinds.index(("preempted", stopped))
+    # metrics.jsonl is the uninterrupted stream: each logged step once, in order (the resume dropped
+    # what it replayed).
+    steps = [m["step"] for m in metrics(run) if "loss" in m]
+    assert steps == sorted(set(steps)) == list(range(16, 129, 16)), steps
 
 
 def test_sigterm_to_a_single_process_without_torchrun(tmp_path):
@@ -255,6 +270,25 @@ def test_a_run_in_a_bucket_checkpoints_there_and_resumes_from_it(tmp_path, gcs_b
     assert f"resuming from {out}/{run_id}/checkpoints/step-00000064 (step 64)" in r.stdout
     status = json.loads(root.read_bytes(f"{run_id}/status.json"))
     assert status["state"] == "completed" and status["result"]["steps"] == 128
+    # The run's events and metrics are in the bucket as one ordered stream each, across both launches.
+    rows = [json.loads(ln) for ln in root.read_bytes(f"{run_id}/events.jsonl").decode().splitlines()]
+    assert [(e["event"], e["step"]) for e in rows] == [
+        ("started", 0), *[("checkpoint", s) for s in (16, 32, 48, 64)], ("completed", 64),
+        ("resumed", 64), *[("checkpoint", s) for s in (80, 96, 112, 128)], ("completed", 128),
+    ]  # fmt: skip
+    lines = [json.loads(ln) for ln in root.read_bytes(f"{run_id}/metrics.jsonl").decode().splitlines()]
+    assert [m["step"] for m in lines if "loss" in m] == list(range(16, 129, 16))
+    # TensorBoard's event files were written locally and copied up: they hold every logged loss.
+    tb = [n for n in root.list(f"{run_id}/tensorboard") if "tfevents" in n]
+    assert tb, root.list(run_id)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for i, name in enumerate(tb):
+        (tmp_path / "tb").mkdir(exist_ok=True)
+        (tmp_path / "tb" / f"{i}.tfevents").write_bytes(root.read_bytes(name))
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert sorted({e.step for e in acc.Scalars("loss")}) == list(range(16, 129, 16))
 
 
 HUNG = textwrap.dedent("""
