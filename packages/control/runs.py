@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.common.errors import UserError
+from dtrain.common.metrics import EVENTS, METRICS
 from dtrain.common.rundir import LATEST, STEP_RE, complete_meta, locate, read_json
 from dtrain.common.storage import LocalStore, Store, is_remote, open_store
 
@@ -103,7 +104,7 @@ def _summary(root: Store, name: str) -> dict[str, Any]:
     status = _json_or_empty(status_bytes)
     cfg = read_json(run, "config.json") or {}
     steps = [int(m.group(1)) for p in run.list("checkpoints") if (m := STEP_RE.match(p.split("/")[1]))]
-    metrics = read_jsonl(run, "metrics.jsonl")
+    metrics = read_jsonl(run, METRICS)
     metric, value = best_metric(metrics.rows)
     created, updated = cfg.get("created"), status.get("updated")
     state = _status(status)
@@ -186,13 +187,15 @@ def open_run(output: str, run_id: str) -> Store:
 
 @dataclasses.dataclass
 class JsonLines:
-    """The complete lines of a .jsonl file after a given line: `rows` (objects, each with its 1-based
-    line number as "line"), `lines` (complete lines in the file: the cursor for the next read),
-    `skipped` (line numbers that are not a JSON object), `reset` (the file is shorter than the cursor:
-    it was rewritten, and `rows` start again from line 1)."""
+    """The complete lines of a .jsonl file after a cursor: `rows` (objects, each with its 1-based line
+    number as "line"), `lines` and `offset` (complete lines and their bytes in the file: the cursor for
+    the next read), `skipped` (line numbers that are not a JSON object), `reset` (the file no longer
+    continues from the cursor, as when a resumed run rewrites metrics.jsonl: `rows` start again from
+    line 1)."""
 
     rows: list[dict[str, Any]]
     lines: int
+    offset: int
     skipped: list[int]
     reset: bool = False
 
@@ -205,19 +208,46 @@ class JsonLines:
         }
 
 
-def read_jsonl(run: Store, name: str, after_line: int = 0) -> JsonLines:
-    """A .jsonl file of a run (metrics.jsonl, events.jsonl) from line `after_line` + 1 on. A file that
-    does not exist yet reads as empty. A final line without its newline is being written: it is left
-    for the next read. A line that is not a JSON object is skipped and reported, never fatal."""
+def read_jsonl(run: Store, name: str, after_line: int = 0, offset: int = 0) -> JsonLines:
+    """A .jsonl file of a run (metrics.jsonl, events.jsonl) from line `after_line` + 1 on; with `offset`
+    (that line's byte offset, from the last read) only the bytes after it are read, which for a run in
+    a bucket is what makes following a long file cheap. A file that does not exist yet reads as empty.
+    A final line without its newline is being written: it is left for the next read. A line that is
+    not a JSON object is skipped and reported, never fatal."""
+    reset = False
+    if offset > 0:
+        # One byte before the cursor: a newline there says the file still continues the one we read.
+        data = _read(run, name, offset - 1)
+        if data and data[:1] == b"\n":
+            return _parse(data[1:], after_line, offset, reset=False)
+        if data:
+            reset = True  # rewritten (a resume drops the lines of the steps it replays)
+        else:
+            return JsonLines([], after_line, offset, [])  # nothing new (or shorter: noticed once it grows)
+    data = _read(run, name, 0)
+    page = _parse(data, 0, 0, reset=reset)
+    if not reset and after_line:
+        if after_line > page.lines:
+            page.reset = True
+        else:
+            page.rows = [r for r in page.rows if r["line"] > after_line]
+            page.skipped = [n for n in page.skipped if n > after_line]
+    return page
+
+
+def _read(run: Store, name: str, start: int) -> bytes:
     try:
-        text = run.read_bytes(name).decode(errors="replace")
+        return run.read_bytes(name, start=start)
     except FileNotFoundError:
-        text = ""
-    lines = text.split("\n")[:-1]  # the part after the last newline is incomplete (or empty)
-    reset = after_line > len(lines)
-    start = 0 if reset else max(after_line, 0)
+        return b""
+
+
+def _parse(data: bytes, first_line: int, offset: int, *, reset: bool) -> JsonLines:
+    """Complete lines of `data`, numbered after `first_line`; `offset` is where `data` starts."""
+    end = data.rfind(b"\n") + 1
+    lines = data[:end].decode(errors="replace").split("\n")[:-1]
     rows, skipped = [], []
-    for number, line in enumerate(lines[start:], start + 1):
+    for number, line in enumerate(lines, first_line + 1):
         if not line.strip():
             continue
         try:
@@ -228,21 +258,30 @@ def read_jsonl(run: Store, name: str, after_line: int = 0) -> JsonLines:
             rows.append({**row, "line": number})
         else:
             skipped.append(number)
-    return JsonLines(rows, len(lines), skipped, reset)
+    return JsonLines(rows, first_line + len(lines), offset + end, skipped, reset)
 
 
-def read_metrics(output: str, run_id: str, *, since: int | None = None, after_line: int = 0) -> JsonLines:
-    """A run's metrics rows: those after line `after_line`, and of them those with a step above
-    `since` (a client that knows only the last step it has seen)."""
-    page = read_jsonl(open_run(output, run_id), "metrics.jsonl", after_line)
+def read_metrics(
+    output: str, run_id: str, *, since: int | None = None, after_line: int = 0, offset: int = 0
+) -> JsonLines:
+    """A run's metrics rows: those after line `after_line` (at byte `offset`, if known), and of them
+    those with a step above `since` (a client that knows only the last step it has seen)."""
+    page = read_jsonl(open_run(output, run_id), METRICS, after_line, offset)
     if since is not None:
         page.rows = [r for r in page.rows if isinstance(r.get("step"), int) and r["step"] > since]
     return page
 
 
-def read_events(output: str, run_id: str, after_line: int = 0) -> JsonLines:
-    """A run's events.jsonl rows (started, checkpoint, preempted, resumed, completed, ...)."""
-    return read_jsonl(open_run(output, run_id), "events.jsonl", after_line)
+def read_events(output: str, run_id: str, after_line: int = 0, offset: int = 0) -> JsonLines:
+    """A run's events.jsonl rows (started, checkpoint, resumed, preempted, failed, completed, ...)."""
+    return read_jsonl(open_run(output, run_id), EVENTS, after_line, offset)
+
+
+def read_status(run: Store) -> dict[str, Any]:
+    """A run's status.json, its state as the runs table shows it ("stopped": a run on this machine whose
+    process is gone without recording an end)."""
+    status = read_json(run, "status.json") or {}
+    return {**status, "state": _status(status)}
 
 
 def checkpoints(run: Store) -> list[dict[str, Any]]:
@@ -296,11 +335,10 @@ class LogLine:
     stamp: str  # ISO 8601, UTC, as the launcher wrote it
     node: str
     text: str
-    line: int = 0  # 1-based, within its node's file
 
 
 class NoLogs(UserError):
-    """A run without node logs: it ran on this machine, or its launcher has not uploaded any yet."""
+    """A run without node logs: it ran on this machine, or its launcher has not written any yet."""
 
 
 def node_logs(output: str, ref: str, node: str | None = None) -> tuple[str, list[LogLine]]:
@@ -310,15 +348,14 @@ def node_logs(output: str, ref: str, node: str | None = None) -> tuple[str, list
     return store.url.rstrip("/").rsplit("/", 1)[-1], read_node_logs(store, node)
 
 
-def run_logs(output: str, run_id: str, node: str | None = None, after: dict[str, int] | None = None) -> list[LogLine]:
-    """Run `run_id`'s node log lines in time order; `after` (node -> lines already seen) keeps only the
-    lines each node wrote since."""
-    return read_node_logs(open_run(output, run_id), node, after)
+def run_logs(output: str, run_id: str, node: str | None = None) -> list[LogLine]:
+    """Run `run_id`'s node log lines (one plain run id under `output`, as a service is asked for it)."""
+    return read_node_logs(open_run(output, run_id), node)
 
 
-def read_node_logs(store: Store, node: str | None = None, after: dict[str, int] | None = None) -> list[LogLine]:
-    """The lines of a run directory's logs/<node>.log files (or, before the launcher has uploaded them,
-    of its local staging copies), in time order."""
+def read_node_logs(store: Store, node: str | None = None) -> list[LogLine]:
+    """The lines of a run directory's logs/<node>.log files (or, if it has none, of the launcher's
+    local staging copies on this machine), in time order."""
     from dtrain.control.remote import logs_cache_dir
 
     run_id = store.url.rstrip("/").rsplit("/", 1)[-1]
@@ -335,9 +372,7 @@ def read_node_logs(store: Store, node: str | None = None, after: dict[str, int] 
     for name, text in files.items():
         if node is not None and name != node:
             continue
-        seen = (after or {}).get(name, 0)
-        # A last line without its newline is still being written (or uploaded): the next read has it.
-        for i, line in enumerate(text.split("\n")[:-1][seen:], seen + 1):
+        for i, line in enumerate(text.splitlines()):
             stamp, _, rest = line.partition(" ")
             entries.append((stamp, name, i, rest))
-    return [LogLine(stamp, name, rest, i) for stamp, name, i, rest in sorted(entries)]
+    return [LogLine(stamp, name, rest) for stamp, name, _i, rest in sorted(entries)]

@@ -75,29 +75,21 @@ async def logs(
     tail: Annotated[int, Query(ge=0, description="the last N lines (0: all)")] = 500,
     follow: bool = False,
 ) -> Any:
-    """Without follow: {"lines": [{"stamp", "node", "text", "line"}]}, the last `tail` in time order.
-    With follow=1: server-sent events (`logs`, then `end` when the run has ended), from the last
-    `tail` lines on."""
+    """Without follow: {"lines": [{"stamp", "node", "text"}]}, the last `tail` in time order. With
+    follow=1: server-sent events, `logs` ({"lines": [...]}, starting with the last `tail`) as the
+    nodes write them, then `end` once the run has ended and every node's log says its job ended."""
     output = _dash(request).output
-    lines = await run_in_threadpool(runs.run_logs, output, run_id, node)
-    shown = lines[-tail:] if tail else lines
     if not follow:
-        return {"lines": [dataclasses.asdict(ln) for ln in shown]}
-    # Start the stream after everything not shown, so each line arrives once.
-    seen: dict[str, int] = {}
-    for ln in lines[: len(lines) - len(shown)]:
-        seen[ln.node] = max(seen.get(ln.node, 0), ln.line)
-    cursors = live.Cursors(logs=seen)
-
-    async def body() -> Any:
-        if shown:
-            for ln in shown:
-                cursors.logs[ln.node] = max(cursors.logs.get(ln.node, 0), ln.line)
-            yield live.message("logs", {"lines": [dataclasses.asdict(ln) for ln in shown]}, cursors)
-        async for chunk in live.stream(output, run_id, cursors, frozenset({"logs"}), request.is_disconnected):
-            yield chunk
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+        lines = await run_in_threadpool(runs.run_logs, output, run_id, node)
+        return {"lines": [dataclasses.asdict(ln) for ln in (lines[-tail:] if tail else lines)]}
+    await run_in_threadpool(runs.open_run, output, run_id)  # a bad or unknown id is refused before streaming
+    try:
+        skip = max(0, len(await run_in_threadpool(runs.run_logs, output, run_id, node)) - tail) if tail else 0
+    except runs.NoLogs:
+        skip = 0  # none yet: they may come (a cluster run that is starting)
+    return StreamingResponse(
+        live.follow_logs(output, run_id, node, skip), media_type="text/event-stream", headers=SSE_HEADERS
+    )
 
 
 @router.get("/runs/{run_id}/stream", summary="Server-sent events of a run as it trains (what the run page uses)")
@@ -108,20 +100,13 @@ async def stream(
     events_line: Annotated[int, Query(ge=0)] = 0,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> StreamingResponse:
-    """New metrics rows, events, node log lines and status changes (see dtrain.dashboard.live).
-    A reconnecting browser's Last-Event-ID carries on from where it stopped."""
+    """New metrics rows, events and status changes (see dtrain.dashboard.live), from the lines the
+    page already has; a reconnecting browser's Last-Event-ID carries on from where it stopped."""
     output = _dash(request).output
     await run_in_threadpool(runs.open_run, output, run_id)  # a bad or unknown id is refused before streaming
-    cursors = (last_event_id and live.Cursors.decode(last_event_id)) or live.Cursors(metrics_line, events_line)
-    if last_event_id is None:
-        # A page starts with the log tail it was rendered with: stream only what came after.
-        try:
-            for ln in await run_in_threadpool(runs.run_logs, output, run_id):
-                cursors.logs[ln.node] = max(cursors.logs.get(ln.node, 0), ln.line)
-        except runs.NoLogs:
-            pass
+    cursors = (last_event_id and live.Cursors.decode(last_event_id)) or live.Cursors(metrics_line, 0, events_line, 0)
     return StreamingResponse(
-        live.stream(output, run_id, cursors, live.PARTS, request.is_disconnected),
+        live.stream(output, run_id, cursors, request.is_disconnected),
         media_type="text/event-stream",
         headers=SSE_HEADERS,
     )

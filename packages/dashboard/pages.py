@@ -5,7 +5,6 @@ static/charts.js from the rows embedded in the page, and the run page keeps them
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 from typing import Annotated, Any
 
@@ -19,7 +18,7 @@ from dtrain.dashboard.app import HERE, Dashboard
 
 router = APIRouter(include_in_schema=False)
 templates = Jinja2Templates(directory=HERE / "templates")
-LOG_TAIL = 200  # lines of node logs a run page starts with
+LOG_TAIL = 200  # lines of node logs a run page starts with (then it follows them)
 COMPARE_MAX = 8  # runs one compare page overlays (colours stay distinguishable)
 
 
@@ -95,16 +94,12 @@ def run_page(request: Request, run_id: str) -> HTMLResponse:
     detail = runs.run_detail(output, run_id)
     metrics = runs.read_metrics(output, run_id)
     events = runs.read_events(output, run_id)
-    try:
-        logs, logs_note = runs.run_logs(output, run_id)[-LOG_TAIL:], ""
-    except runs.NoLogs as e:
-        logs, logs_note = [], str(e)
     live = {
         "run_id": run_id,
         "status": detail["summary"]["status"],
         "metrics": metrics.as_dict(),
         "events": events.as_dict(),
-        "logs": [dataclasses.asdict(ln) for ln in logs],
+        "log_tail": LOG_TAIL,
     }
     return render(
         request,
@@ -113,7 +108,6 @@ def run_page(request: Request, run_id: str) -> HTMLResponse:
         row=detail["summary"],
         live=live,
         events=events.rows,
-        logs_note=logs_note,
         done=detail["summary"]["status"] in runs.DONE_STATES,
     )
 

@@ -31,8 +31,6 @@
 
   function addLogs(lines) {
     if (!lines.length) return;
-    const note = document.getElementById("logs-note");
-    if (note) note.hidden = true;
     const text = lines.map((l) => `${l.stamp.slice(11, 23)} [${l.node}] ${l.text}`).join("\n") + "\n";
     logs.textContent = (logs.textContent + text).split("\n").slice(-LOG_LINES - 1).join("\n");
     logs.scrollTop = logs.scrollHeight;
@@ -58,11 +56,28 @@
     }
   }
 
-  addLogs(data.logs);
   showSkipped();
+
+  // Node logs: their own stream (what `dtrain logs -f` follows); it ends when the run has.
+  const id = encodeURIComponent(data.run_id);
+  let logLines = 0;
+  const logSource = new EventSource(`/api/v1/runs/${id}/logs?follow=1&tail=${data.log_tail}`);
+  logSource.addEventListener("logs", (ev) => {
+    const lines = JSON.parse(ev.data).lines;
+    logLines += lines.length;
+    addLogs(lines);
+  });
+  logSource.addEventListener("end", () => {
+    logSource.close();
+    document.getElementById("logs-note").hidden = logLines > 0;
+  });
+  logSource.addEventListener("error", (ev) => {
+    if (ev.data) logSource.close(); // the server said why (an "error" event); a dropped connection retries
+  });
+
   if (["completed", "failed", "preempted", "interrupted", "stopped"].includes(data.status)) return;
 
-  const url = `/api/v1/runs/${encodeURIComponent(data.run_id)}/stream?metrics_line=${data.metrics.lines}&events_line=${data.events.lines}`;
+  const url = `/api/v1/runs/${id}/stream?metrics_line=${data.metrics.lines}&events_line=${data.events.lines}`;
   const source = new EventSource(url);
   source.addEventListener("metrics", (ev) => {
     const page = JSON.parse(ev.data);
@@ -73,7 +88,6 @@
     redraw();
   });
   source.addEventListener("events", (ev) => addEvents(JSON.parse(ev.data).rows));
-  source.addEventListener("logs", (ev) => addLogs(JSON.parse(ev.data).lines));
   source.addEventListener("run", (ev) => showRun(JSON.parse(ev.data)));
   source.addEventListener("end", () => {
     source.close();
