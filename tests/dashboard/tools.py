@@ -38,7 +38,8 @@ class Server:
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.url = ""
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -59,6 +60,12 @@ class Server:
     def output(self) -> str:
         return "".join(self.lines)
 
+    def wait(self, timeout: float) -> int:
+        """Its exit code, once it has exited and all it printed is in `lines`."""
+        code = self.proc.wait(timeout)
+        self._reader.join(10)
+        return code
+
     def stop(self) -> int:
         """SIGTERM (what a service manager sends), as Ctrl-C would stop it."""
         if self.proc.poll() is None:
@@ -69,7 +76,7 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
                 pytest.fail(f"dtrain dashboard did not stop within {STOP_TIMEOUT_S} s of SIGTERM:\n{self.output}")
-        return self.proc.returncode
+        return self.wait(STOP_TIMEOUT_S)
 
 
 def start_dashboard(cwd: Path, output: str | Path, *args: str, env: dict[str, str]) -> Server:
