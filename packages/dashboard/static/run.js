@@ -10,6 +10,14 @@
   const logs = document.getElementById("logs");
   const LOG_LINES = 2000; // kept on the page
 
+  // As the server writes them (pages.py's duration filter).
+  const duration = (s) => {
+    if (s === null || s === undefined) return "-";
+    s = Math.floor(s);
+    if (s < 60) return `${s} s`;
+    if (s < 3600) return `${Math.floor(s / 60)} min ${String(s % 60).padStart(2, "0")} s`;
+    return `${Math.floor(s / 3600)} h ${String(Math.floor((s % 3600) / 60)).padStart(2, "0")} min`;
+  };
   const when = (t) => (typeof t === "number" ? new Date(t * 1000).toISOString().slice(0, 19).replace("T", " ") : "");
 
   function showSkipped() {
@@ -25,6 +33,7 @@
     for (const e of events) {
       const tr = body.insertRow();
       for (const v of [when(e.time), e.step ?? "", e.event ?? "", e.message ?? ""]) tr.insertCell().textContent = v;
+      tr.cells[1].className = "num";
     }
     if (events.length) document.getElementById("events-empty").hidden = true;
   }
@@ -42,17 +51,20 @@
     status.textContent = row.status;
     status.className = `status ${row.status}`;
     document.getElementById("fact-step").textContent = row.last_step ?? "-";
+    document.getElementById("fact-duration").textContent = duration(row.duration_s);
     if (row.best_value !== null) {
       document.getElementById("fact-best").textContent = `${row.best_metric.replace("eval_accuracy", "acc")} ${row.best_value.toFixed(4)}`;
     }
     const body = document.querySelector("#checkpoints-table tbody");
     body.replaceChildren();
+    document.getElementById("checkpoints-empty").hidden = detail.checkpoints.length > 0;
     for (const c of detail.checkpoints) {
       const tr = body.insertRow();
       const size = c.bytes === null ? "-" : `${(c.bytes / 1048576).toFixed(1)} MiB`;
       for (const v of [c.step, when(c.created), size, !c.complete ? "incomplete" : c.latest ? "latest" : ""]) {
         tr.insertCell().textContent = v;
       }
+      tr.cells[0].className = tr.cells[2].className = "num";
     }
   }
 
