@@ -33,6 +33,7 @@ DEV_APT_PACKAGES=(
   # tests/docker: a Docker engine, a locally made base image, compose (bookworm has v1 only) and a
   # registry to push to and pull from
   docker.io debootstrap docker-compose docker-registry
+  chromium  # tests/dashboard: the pages in a real headless browser (Playwright drives it; no browser download)
 )
 EXTRAS="train"
 [ "$DEV" = 1 ] && APT_PACKAGES+=("${DEV_APT_PACKAGES[@]}") && EXTRAS="dev,lora,tensorboard"
