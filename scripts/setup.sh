@@ -6,6 +6,7 @@
 #   scripts/setup.sh --dev   also what the tests need (scripts/test.sh runs it): the test bed's system
 #                            packages (sshd, Docker, ...), dtrain's dev extras, and checkov in .venv-tools
 #   DTRAIN_TORCH=torch==2.13.0 scripts/setup.sh   choose the torch build (default below)
+#   DTRAIN_SETUP_DRY_RUN=1 scripts/setup.sh [--dev]   print what it would install, install nothing
 #
 # torch is pinned to 2.13.0 because the machines this project is developed and tested on carry a
 # local CPU wheel of exactly that version; a looser spec pulls gigabytes of CUDA wheels. On a GPU
@@ -37,6 +38,13 @@ DEV_APT_PACKAGES=(
 )
 EXTRAS="train"
 [ "$DEV" = 1 ] && APT_PACKAGES+=("${DEV_APT_PACKAGES[@]}") && EXTRAS="dev,lora,tensorboard"
+
+if [ "${DTRAIN_SETUP_DRY_RUN:-0}" = 1 ]; then
+  echo "apt: ${APT_PACKAGES[*]}"
+  echo "pip: $TORCH_SPEC -e .[$EXTRAS]"
+  [ "$DEV" = 1 ] && echo "tools: checkov (.venv-tools)"
+  exit 0
+fi
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   missing=()
