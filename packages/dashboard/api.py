@@ -10,7 +10,7 @@ import dataclasses
 import importlib.util
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -27,17 +27,9 @@ def _dash(request: Request) -> Dashboard:
 
 
 @router.get("/runs", summary="Runs under the output location, filtered and sorted")
-def list_runs(
-    request: Request,
-    status: str = "",
-    workload: str = "",
-    q: str = "",
-    sort: str = table.DEFAULT_SORT,
-    desc: bool = True,
-) -> dict[str, Any]:
+def list_runs(request: Request, query: Annotated[table.Query, Depends(table.query)]) -> dict[str, Any]:
     dash = _dash(request)
-    rows = table.select(runs.runs_table(dash.output), table.Query(status, workload, q, sort, desc))
-    return {"output": dash.output, "runs": rows}
+    return {"output": dash.output, "runs": table.select(runs.runs_table(dash.output), query)}
 
 
 @router.get("/runs/{run_id}", summary="One run: its table row, config, status and checkpoints")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, Response
 from fastapi.templating import Jinja2Templates
 
@@ -64,16 +64,8 @@ def error_page(request: Request, status_code: int, message: str) -> Response:
 
 
 @router.get("/", response_class=HTMLResponse)
-def runs_page(
-    request: Request,
-    status: str = "",
-    workload: str = "",
-    q: str = "",
-    sort: str = table.DEFAULT_SORT,
-    desc: bool = True,
-) -> HTMLResponse:
+def runs_page(request: Request, query: Annotated[table.Query, Depends(table.query)]) -> HTMLResponse:
     dash = _dash(request)
-    query = table.Query(status, workload, q, sort, desc)
     every = runs.runs_table(dash.output)
     return render(
         request,

@@ -34,6 +34,11 @@ class Query:
             raise ValueError(f"sort: one of {', '.join(SORT_KEYS)}, not {self.sort!r}")
 
 
+def query(status: str = "", workload: str = "", q: str = "", sort: str = DEFAULT_SORT, desc: bool = True) -> Query:
+    """A Query from a request's parameters (a FastAPI dependency of the Runs page and GET /runs)."""
+    return Query(status, workload, q, sort, desc)
+
+
 def select(rows: list[dict[str, Any]], query: Query) -> list[dict[str, Any]]:
     """The rows that match `query`, in its order; rows without a value for the sort column come last
     whichever the direction."""
