@@ -154,7 +154,9 @@ def run_eval(plan: EvalPlan, *, events: Events, handle: Handle) -> dict[str, Any
     code, error = run_module(plan.target, plan.argv, label=plan.eval_id, events=events, handle=handle)
     record = records.read_record(plan.target.run, plan.eval_id) or {}
     if code != 0:
-        why = error or f"the evaluation exited with {code}; its output is above"
+        why = error or (
+            "interrupted" if code == ExitCode.INTERRUPTED else f"the evaluation exited with {code}; its output is above"
+        )
         if record.get("state") in ("pending", "running", None):  # it could not say so itself (killed, bad input)
             records.write_record(plan.target.run, plan.eval_id, {**record, "state": "failed", "error": why})
         raise UserError(why, exit_code=_exit_code(code))
