@@ -97,7 +97,7 @@ def resolve(req: EvalRequest | ExportRequest) -> Target:
         )
     if not is_remote(run.url) and not where.shared_fs:
         raise UserError(
-            f"run {run.url} is on this machine, out of cluster {where.name!r}'s reach: evaluate it here (leave out "
+            f"run {run.url} is on this machine, out of reach of cluster {where.name!r}: evaluate it here (leave out "
             f"--cluster), or keep runs in a gs:// bucket (or set shared_fs = true in [clusters.{where.name}])"
         )
     return Target(run, saved, where, req.accept_new_host_keys)

@@ -82,7 +82,9 @@ def run_eval(args: argparse.Namespace, run: Store, saved: dict[str, Any]) -> dic
         records.check_step(run, args.checkpoint)
     device = pick_device(args.device)
     started = time.time()
+    planned = records.read_record(run, eval_id) or {}  # the starter's pending record, if it made one
     base = {
+        "where": planned.get("where", socket.gethostname()),
         "run_id": saved.get("run_id", run.url.rstrip("/").rsplit("/", 1)[-1]),
         "run": run.url,
         "workload": workload,
@@ -90,7 +92,7 @@ def run_eval(args: argparse.Namespace, run: Store, saved: dict[str, Any]) -> dic
         "model": "final" if args.checkpoint is None else f"checkpoint step {args.checkpoint}",
         "host": socket.gethostname(),
         "device": str(device),
-        "created": started,
+        "created": planned.get("created", started),
     }
     records.write_record(run, eval_id, {**base, "state": "running", "pid": os.getpid()})
     try:

@@ -56,11 +56,14 @@ def to_onnx(net: torch.nn.Module, metadata: dict[str, str]) -> bytes:
     return proto.SerializeToString()
 
 
-def session(model: bytes, providers: list[str] | None = None) -> Any:
+def session(model: bytes, providers: list[str] | None = None, threads: int = 0) -> Any:
+    """An ONNX Runtime session for `model` (CPU unless `providers` say otherwise; `threads`: its intra-op
+    threads, 0 for ONNX Runtime's default)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors only: its warnings about unused initialisers are noise here
+    options.intra_op_num_threads = threads
     return ort.InferenceSession(model, options, providers=providers or ["CPUExecutionProvider"])
 
 

@@ -23,6 +23,7 @@ def test_plan_then_run_then_read(mnist_run: Path, monkeypatch: pytest.MonkeyPatc
     events = Collector()
     record = run_eval(plan, events=events, handle=Handle())
     assert record["state"] == "completed" and record["id"] == plan.eval_id
+    assert record["where"] == "this machine" and record["created"] == pending["created"]  # the plan's, kept
     assert read_eval(output, mnist_run.name, plan.eval_id) == record
     assert any("evaluating on 1000 images" in e.message for e in events.of("info"))
     listed = list_evals(output, mnist_run.name)
