@@ -44,25 +44,33 @@ def eval_(
     LoRA held-out loss, perplexity and sampled continuations. The result is kept as eval/<id>.json."""
     from dtrain.control.evals import EvalRequest, evaluate
 
-    request = EvalRequest(
-        run=run,
-        checkpoint=checkpoint,
-        prompts_file=prompts,
-        data=data,
-        data_dir=data_dir,
-        output=output,
-        cluster=cluster,
-        config_path=console.state.config_path,
-        accept_new_host_keys=accept_new_host_keys,
-    )
+    where = _where(run, checkpoint, data_dir, output, cluster, accept_new_host_keys)
+    request = EvalRequest(**where, prompts_file=prompts, data=data)
     with console.operation() as (events, handle):
         record = evaluate(request, events=events if not as_json else _quiet(), handle=handle)
     if as_json:
         console.out.print_json(json.dumps(record))
-    elif record["workload"] == "mnist":
-        _show_mnist(record)
-    else:
-        _show_lora(record)
+        return
+    headline, details = (_mnist if record["workload"] == "mnist" else _lora)(record)
+    console.out.print(f"{record['run_id']} {record['model']}: {headline}", highlight=False)
+    for item in details:
+        console.out.print(item)
+    console.out.print(f"kept as {record['run']}/eval/{record['id']}.json", highlight=False)
+
+
+def _where(
+    run: str, checkpoint: int | None, data_dir: str, output: str | None, cluster: str | None, accept: bool
+) -> dict[str, Any]:
+    """The fields of dtrain.control.evals.RunRequest, shared by eval and export."""
+    return {
+        "run": run,
+        "checkpoint": checkpoint,
+        "data_dir": data_dir,
+        "output": output,
+        "cluster": cluster,
+        "config_path": console.state.config_path,
+        "accept_new_host_keys": accept,
+    }
 
 
 def _quiet() -> Any:
@@ -77,44 +85,40 @@ def _logged(record: dict[str, Any], key: str, digits: int = 4) -> str:
     return f" (the run logged {value:.{digits}f})" if isinstance(value, (int, float)) else ""
 
 
-def _show_mnist(record: dict[str, Any]) -> None:
+def _mnist(record: dict[str, Any]) -> tuple[str, list[Any]]:
+    """The headline and the confusion matrix, with each class's images and accuracy."""
     from rich.table import Table
 
     m = record["metrics"]
-    console.out.print(
-        f"{record['run_id']} {record['model']}: accuracy [bold]{m['accuracy']:.4f}[/]"
-        f"{_logged(record, 'eval_accuracy')}, loss {m['loss']:.4f} on {m['images']} images of "
-        f"{m['dataset']} {m['split']}",
-        highlight=False,
+    headline = (
+        f"accuracy [bold]{m['accuracy']:.4f}[/]{_logged(record, 'eval_accuracy')}, loss {m['loss']:.4f} "
+        f"on {m['images']} images of {m['dataset']} {m['split']}"
     )
     table = Table(title="confusion matrix (rows: true class, columns: predicted)", title_justify="left")
-    table.add_column("class", justify="right")
-    for c in range(len(m["confusion_matrix"])):
-        table.add_column(str(c), justify="right")
-    table.add_column("images", justify="right")
-    table.add_column("accuracy", justify="right")
+    for name in ["class", *map(str, range(len(m["confusion_matrix"]))), "images", "accuracy"]:
+        table.add_column(name, justify="right")
     for c, row in enumerate(m["confusion_matrix"]):
         acc = m["per_class_accuracy"][c]
         cells = [f"[bold]{v}[/]" if i == c else (str(v) if v else "[dim]0[/]") for i, v in enumerate(row)]
         table.add_row(str(c), *cells, str(m["class_counts"][c]), f"{acc:.3f}" if acc is not None else "-")
-    console.out.print(table)
-    console.out.print(f"kept as {record['run']}/eval/{record['id']}.json", highlight=False)
+    return headline, [table]
 
 
-def _show_lora(record: dict[str, Any]) -> None:
+def _lora(record: dict[str, Any]) -> tuple[str, list[Any]]:
+    """The headline and the sampled continuations."""
     from rich.text import Text
 
     m = record["metrics"]
-    console.out.print(
-        f"{record['run_id']} {record['model']}: held-out loss [bold]{m['loss']:.4f}[/]{_logged(record, 'eval_loss')}, "
-        f"perplexity [bold]{m['perplexity']:.3f}[/]{_logged(record, 'eval_perplexity', 3)} "
-        f"over {m['blocks']} blocks ({m['tokens']:,} tokens)",
-        highlight=False,
+    headline = (
+        f"held-out loss [bold]{m['loss']:.4f}[/]{_logged(record, 'eval_loss')}, perplexity "
+        f"[bold]{m['perplexity']:.3f}[/]{_logged(record, 'eval_perplexity', 3)} over {m['blocks']} blocks "
+        f"({m['tokens']:,} tokens)"
     )
-    for s in m["samples"]:
-        console.out.print(Text.assemble(("prompt: ", "dim"), s["prompt"]))
-        console.out.print(Text.assemble(("   ->   ", "dim"), (s["continuation"], "cyan")))
-    console.out.print(f"kept as {record['run']}/eval/{record['id']}.json", highlight=False)
+    samples = [
+        Text.assemble(("prompt: ", "dim"), s["prompt"], "\n", ("   ->   ", "dim"), (s["continuation"], "cyan"))
+        for s in m["samples"]
+    ]
+    return headline, samples
 
 
 def export(
@@ -138,16 +142,8 @@ def export(
 
     if not onnx:
         raise UserError("name the format: dtrain export RUN --onnx (ONNX is the one there is)")
-    request = ExportRequest(
-        run=run,
-        checkpoint=checkpoint,
-        data_dir=data_dir,
-        copy_to=str(to) if to else "",
-        output=output,
-        cluster=cluster,
-        config_path=console.state.config_path,
-        accept_new_host_keys=accept_new_host_keys,
-    )
+    where = _where(run, checkpoint, data_dir, output, cluster, accept_new_host_keys)
+    request = ExportRequest(**where, copy_to=str(to) if to else "")
     with console.operation() as (events, handle):
         check = control_export(request, events=events if not as_json else _quiet(), handle=handle)
     if as_json:

@@ -41,17 +41,29 @@ WORKLOADS = ("mnist", "lora")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EvalRequest:
+class RunRequest:
+    """Which model of which run, and where to work on it, as a user names them."""
+
     run: str  # run id under the output location, or the run's directory / gs:// URL
     checkpoint: int | None = None  # a checkpoint step; None: the final model
-    prompts: Sequence[str] = ()  # LoRA: prompts to continue
-    prompts_file: str = ""  # LoRA: a file (or gs:// object) of prompts, one a line
-    data: str = ""  # LoRA: the text to take held-out blocks from, if not the run's --data
     data_dir: str = ""  # MNIST: where the IDX files are, if not where the run found them
     output: str | None = None  # --output; None: the settings' (or the cluster's bucket)
     cluster: str | None = None  # --cluster; None: the settings' run.cluster ("" : this machine)
     config_path: Path | None = None
     accept_new_host_keys: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalRequest(RunRequest):
+    prompts: Sequence[str] = ()  # LoRA: prompts to continue
+    prompts_file: str = ""  # LoRA: a file (or gs:// object) of prompts, one a line
+    data: str = ""  # LoRA: the text to take held-out blocks from, if not the run's --data
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExportRequest(RunRequest):
+    format: str = "onnx"
+    copy_to: str = ""  # also copy the model to this local path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +87,7 @@ class EvalPlan:
     argv: list[str]  # the module's arguments
 
 
-def resolve(req: EvalRequest | ExportRequest) -> Target:
+def resolve(req: RunRequest) -> Target:
     """The run the request names and the cluster to work on: the one place that turns the CLI's or the
     dashboard's words into a run directory."""
     from dtrain.control import backends
@@ -103,7 +115,8 @@ def resolve(req: EvalRequest | ExportRequest) -> Target:
     return Target(run, saved, where, req.accept_new_host_keys)
 
 
-def _common_argv(target: Target, checkpoint: int | None, data_dir: str) -> list[str]:
+def _common_argv(target: Target, req: RunRequest) -> list[str]:
+    checkpoint = req.checkpoint
     if checkpoint is not None:
         if checkpoint < 0:
             raise UserError(f"--checkpoint {checkpoint}: a step is a whole number >= 0")
@@ -111,8 +124,8 @@ def _common_argv(target: Target, checkpoint: int | None, data_dir: str) -> list[
     argv = [target.run.url]
     if checkpoint is not None:
         argv += ["--checkpoint", str(checkpoint)]
-    if data_dir:
-        argv += ["--data-dir", data_dir]
+    if req.data_dir:
+        argv += ["--data-dir", req.data_dir]
     return argv
 
 
@@ -123,7 +136,7 @@ def plan_eval(req: EvalRequest) -> EvalPlan:
     if target.workload not in WORKLOADS:
         known = ", ".join(WORKLOADS)
         raise UserError(f"run {target.run.url} is a {target.workload} run: dtrain eval knows {known} runs")
-    argv = _common_argv(target, req.checkpoint, req.data_dir)
+    argv = _common_argv(target, req)
     # The file is read here, where the user named it: a job on a cluster gets the prompts, not a path.
     prompts = [*req.prompts, *records.read_prompts(req.prompts_file)]
     if (prompts or req.data) and target.workload != "lora":
@@ -187,19 +200,6 @@ def read_eval(output: str, run_ref: str, eval_id: str) -> dict[str, Any]:
 # -- export ------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ExportRequest:
-    run: str
-    format: str = "onnx"
-    checkpoint: int | None = None
-    data_dir: str = ""
-    copy_to: str = ""  # also copy the model to this local path
-    output: str | None = None
-    cluster: str | None = None
-    config_path: Path | None = None
-    accept_new_host_keys: bool = False
-
-
 def export(req: ExportRequest, *, events: Events, handle: Handle) -> dict[str, Any]:
     """Export the run's model (ONNX for MNIST), checked against torch on its evaluation split; returns
     the check (max_abs_diff, predictions_equal, images, path, ...)."""
@@ -210,7 +210,7 @@ def export(req: ExportRequest, *, events: Events, handle: Handle) -> dict[str, A
     target = resolve(req)
     if records.EXPORTABLE.get(target.workload) != req.format:
         raise UserError(records.export_refusal(target.run.url, target.workload))
-    argv = ["export", *_common_argv(target, req.checkpoint, req.data_dir), "--onnx"]
+    argv = ["export", *_common_argv(target, req), "--onnx"]
     events.emit("launch", f"exporting {target.run.url} to ONNX")
     code, error = run_module(target, argv, label="export", events=events, handle=handle)
     if code != 0:

@@ -84,3 +84,22 @@ def test_series_last_value_per_step_wins_and_non_numbers_are_left_out():
     c = parse_metrics("r", text)
     assert c.series("loss") == ([10, 20], [2.0, 1.4])
     assert c.skipped == ["r metrics.jsonl line 7: not a JSON object, skipped"]
+
+
+def test_a_run_in_a_bucket_gets_its_curves_there(gcs_bucket: str, tmp_path: Path):
+    """final/curves.png goes through the run's store; `dtrain plot` reads from and writes to gs:// too."""
+    from dtrain.common.storage import open_store
+
+    args = ["--dataset", "fashion-mnist", "--train-split", "train[:512]", "--eval-split", "test[:200]",
+            "--batch-size", "64", "--epochs", "1", "--nproc", "1", "--output", gcs_bucket]  # fmt: skip
+    r = cli(tmp_path, "train", "mnist", *args, env=isolated_env(tmp_path, DTRAIN_LOG_EVERY="2"))
+    assert r.code == 0, r.out + r.err
+    bucket = open_store(gcs_bucket)
+    (run_id,) = {p.split("/")[0] for p in bucket.list("")}
+    assert png_size(bucket.read_bytes(f"{run_id}/final/curves.png")) == (1500, 500)
+    assert not (tmp_path / "runs").exists()
+    r = plot(
+        tmp_path, f"{gcs_bucket}/{run_id}", "-o", f"{gcs_bucket}/plots/one.png", "--width", "300", "--height", "200"
+    )
+    assert r.code == 0, r.out + r.err
+    assert png_size(bucket.read_bytes("plots/one.png")) == (300, 200)
