@@ -34,6 +34,9 @@ def eval_(
     data: Annotated[
         str, typer.Option("--data", help="LoRA: the text to take held-out blocks from, if not the run's --data")
     ] = "",
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", help="LoRA: tokens sampled per continuation (0: 48)")
+    ] = 0,
     data_dir: DataDir = "",
     output: o.Output = None,
     cluster: o.Cluster = None,
@@ -45,7 +48,7 @@ def eval_(
     from dtrain.control.evals import EvalRequest, evaluate
 
     where = _where(run, checkpoint, data_dir, output, cluster, accept_new_host_keys)
-    request = EvalRequest(**where, prompts_file=prompts, data=data)
+    request = EvalRequest(**where, prompts_file=prompts, data=data, max_new_tokens=max_new_tokens)
     with console.operation() as (events, handle):
         record = evaluate(request, events=events if not as_json else _quiet(), handle=handle)
     if as_json:

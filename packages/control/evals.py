@@ -58,6 +58,7 @@ class EvalRequest(RunRequest):
     prompts: Sequence[str] = ()  # LoRA: prompts to continue
     prompts_file: str = ""  # LoRA: a file (or gs:// object) of prompts, one a line
     data: str = ""  # LoRA: the text to take held-out blocks from, if not the run's --data
+    max_new_tokens: int = 0  # LoRA: tokens sampled per continuation (0: the module's default)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,10 +140,15 @@ def plan_eval(req: EvalRequest) -> EvalPlan:
     argv = _common_argv(target, req)
     # The file is read here, where the user named it: a job on a cluster gets the prompts, not a path.
     prompts = [*req.prompts, *records.read_prompts(req.prompts_file)]
-    if (prompts or req.data) and target.workload != "lora":
-        raise UserError(f"--{'prompts' if prompts else 'data'} is for LoRA runs; {target.run.url} is an MNIST run")
+    if (prompts or req.data or req.max_new_tokens) and target.workload != "lora":
+        flag = "--prompts" if prompts else "--data" if req.data else "--max-new-tokens"
+        raise UserError(f"{flag} is for LoRA runs; {target.run.url} is an MNIST run")
     if req.data:
         argv += ["--data", req.data]
+    if req.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens {req.max_new_tokens}: must be >= 0")
+    if req.max_new_tokens:
+        argv += ["--max-new-tokens", str(req.max_new_tokens)]
     eval_id = records.new_eval_id()
     argv = ["eval", *argv, "--eval-id", eval_id, *(f"--prompt={p}" for p in prompts)]
     records.write_record(

@@ -50,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--data", default="", help="LoRA: the text to take held-out blocks from, if not the run's --data")
     e.add_argument("--prompt", action="append", default=[], help="LoRA: a prompt to continue (repeatable)")
     e.add_argument("--prompts", default="", help="LoRA: a file (or gs:// object) of prompts, one a line")
-    e.add_argument("--max-new-tokens", type=int, default=48, help="LoRA: tokens sampled per continuation")
+    e.add_argument("--max-new-tokens", type=int, default=0, help="LoRA: tokens sampled per continuation (0: 48)")
 
     x = sub.add_parser("export", parents=[common], help="export the MNIST model (ONNX), checked against torch")
     x.add_argument("--onnx", action="store_true", required=True, help="the format (ONNX is the one there is)")
@@ -113,7 +113,7 @@ def run_eval(args: argparse.Namespace, run: Store, saved: dict[str, Any]) -> dic
                 device=device,
                 data=args.data,
                 prompts=prompts,
-                max_new_tokens=args.max_new_tokens,
+                max_new_tokens=args.max_new_tokens or lora.DEFAULT_NEW_TOKENS,
                 log=say,
             )
     except BaseException as e:

@@ -112,7 +112,8 @@ def sample(
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )
-        out.append({"prompt": prompt, "continuation": decode(tokenizer, y[0, len(ids) :].tolist())})
+        new = y[0, len(ids) :].tolist()
+        out.append({"prompt": prompt, "continuation": decode(tokenizer, new), "tokens": len(new)})
     return out
 
 

@@ -13,7 +13,6 @@ itself when it ends ("completed"), or by its starter when it fails ("failed", wi
 from __future__ import annotations
 
 import datetime
-import json
 import re
 import secrets
 import time
@@ -21,12 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.common.errors import UserError
-from dtrain.common.rundir import read_json, write_json
+from dtrain.common.rundir import STEP_RE, complete_meta, read_json, step_dir, write_json
 from dtrain.common.storage import Store, is_remote, open_store
 
 EVAL_DIR = "eval"
 EVAL_ID_RE = re.compile(r"^eval-\d{8}-\d{6}-[0-9a-f]{4}$")
-STEP_RE = re.compile(r"^checkpoints/step-(\d{8})/meta\.json$")
 # What `export --onnx` can export, by workload; the others' final models stay in their own format.
 EXPORTABLE = {"mnist": "onnx"}
 
@@ -69,22 +67,12 @@ def list_records(run: Store) -> list[dict[str, Any]]:
 
 
 def complete_steps(run: Store) -> list[int]:
-    """The run's checkpoint steps whose meta.json lists every file at its recorded size (the rule
-    dtrain.common.checkpoint loads by), oldest first. Read without torch, so a bad --checkpoint is
-    refused before anything starts."""
-    steps = []
-    for path in run.list("checkpoints"):
-        m = STEP_RE.match(path)
-        if not m:
-            continue
-        try:
-            meta = json.loads(run.read_bytes(path))
-            name = path.rsplit("/", 1)[0]
-            if all(run.size(f"{name}/{f}") == info["size"] for f, info in meta["files"].items()):
-                steps.append(int(m.group(1)))
-        except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
-            continue
-    return sorted(steps)
+    """The run's checkpoint steps that count (dtrain.common.rundir.complete_meta: meta.json lists every
+    file at its size), oldest first. Read without torch, so a bad --checkpoint is refused before
+    anything starts."""
+    store = run.child("checkpoints")
+    names = {p.split("/", 1)[0] for p in store.list("")}
+    return sorted(int(m.group(1)) for n in names if (m := STEP_RE.match(n)) and complete_meta(store, n) is not None)
 
 
 def check_step(run: Store, step: int) -> None:
@@ -107,7 +95,7 @@ def run_config(run: Store) -> dict[str, Any]:
 
 def onnx_paths(step: int | None) -> tuple[str, str]:
     """Where an ONNX export and its check go under the run: the final model's, or checkpoint `step`'s."""
-    base = "final/model" if step is None else f"export/step-{step:08d}/model"
+    base = "final/model" if step is None else f"export/{step_dir(step)}/model"
     return f"{base}.onnx", f"{base}.onnx.json"
 
 

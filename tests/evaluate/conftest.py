@@ -4,11 +4,12 @@ Fashion-MNIST run and a tiny LoRA run (tiny-llama on a few KB of Python's own so
 from __future__ import annotations
 
 import json
+import subprocess
 import sysconfig
 from pathlib import Path
 
 import pytest
-from runs import cli, isolated_env, only_run
+from runs import CLI, Result, isolated_env, only_run
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 # 2048 images, batch 64: 32 steps, one checkpoint at 16 and one at the end; 1000 test images.
@@ -17,6 +18,18 @@ MNIST_ARGS = ["--dataset", "fashion-mnist", "--train-split", "train[:2048]", "--
 MNIST_STEPS = 32
 LORA_ARGS = ["--model", "tiny-llama", "--seq-len", "64", "--batch-size", "8", "--max-steps", "6",
              "--checkpoint-every", "3", "--nproc", "1"]  # fmt: skip
+
+
+# Longer than tests/runs.py's 120 s: a LoRA evaluation loads transformers and samples token by token,
+# which on two cores shared with other test jobs has taken 80 s.
+CLI_TIMEOUT_S = 600
+
+
+def cli(cwd: Path, *args: str, env: dict[str, str] | None = None) -> Result:
+    """The dtrain CLI in a subprocess (runs.cli with a longer timeout)."""
+    p = subprocess.run([*CLI, *args], cwd=cwd, env=env if env is not None else isolated_env(cwd),
+                       capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False)  # fmt: skip
+    return Result(p.returncode, p.stdout, p.stderr)
 
 
 def env(tmp: Path) -> dict[str, str]:

@@ -7,7 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from runs import cli, isolated_env, snapshot
+from runs import isolated_env, snapshot
+
+from .conftest import cli
 
 
 def refused(cwd: Path, *args: str) -> str:

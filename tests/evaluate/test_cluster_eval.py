@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 from cluster.bed import Testbed
-from runs import cli, isolated_env
+from runs import isolated_env
 
-from .conftest import result
+from .conftest import cli, result
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,14 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from runs import cli, isolated_env
+from runs import isolated_env
 from safetensors.torch import load_file
 
 from dtrain.mnist.config import Dataset
 from dtrain.mnist.data import MEAN_STD, read_idx
 from dtrain.mnist.model import MnistNet
 
-from .conftest import FASHION
+from .conftest import FASHION, cli
 
 
 @pytest.fixture(scope="module")

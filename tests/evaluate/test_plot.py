@@ -8,9 +8,11 @@ import math
 import shutil
 from pathlib import Path
 
-from runs import cli, isolated_env
+from runs import isolated_env
 
 from dtrain.evaluate.curves import parse_metrics, png_size, smooth
+
+from .conftest import cli
 
 
 def plot(cwd: Path, *args: str):
