@@ -137,6 +137,7 @@ def plan_eval(req: EvalRequest) -> EvalPlan:
     if target.workload not in WORKLOADS:
         known = ", ".join(WORKLOADS)
         raise UserError(f"run {target.run.url} is a {target.workload} run: dtrain eval knows {known} runs")
+    need_torch_here(target)
     argv = _common_argv(target, req)
     # The file is read here, where the user named it: a job on a cluster gets the prompts, not a path.
     prompts = [*req.prompts, *records.read_prompts(req.prompts_file)]
@@ -170,7 +171,10 @@ def plan_eval(req: EvalRequest) -> EvalPlan:
 
 def run_eval(plan: EvalPlan, *, events: Events, handle: Handle) -> dict[str, Any]:
     """Run the planned evaluation to its end; returns its record (eval/<id>.json)."""
-    code, error = run_module(plan.target, plan.argv, label=plan.eval_id, events=events, handle=handle)
+    try:
+        code, error = run_module(plan.target, plan.argv, label=plan.eval_id, events=events, handle=handle)
+    except UserError as e:  # it never started (a node out of reach): say so in the record too
+        code, error = int(e.exit_code), str(e)
     record = records.read_record(plan.target.run, plan.eval_id) or {}
     if code != 0:
         why = error or (
@@ -216,6 +220,7 @@ def export(req: ExportRequest, *, events: Events, handle: Handle) -> dict[str, A
     target = resolve(req)
     if records.EXPORTABLE.get(target.workload) != req.format:
         raise UserError(records.export_refusal(target.run.url, target.workload))
+    need_torch_here(target)
     argv = ["export", *_common_argv(target, req), "--onnx"]
     events.emit("launch", f"exporting {target.run.url} to ONNX")
     code, error = run_module(target, argv, label="export", events=events, handle=handle)
@@ -266,12 +271,16 @@ def run_module(target: Target, argv: list[str], *, label: str, events: Events, h
     return code, lines.error
 
 
-def _run_here(argv: list[str], lines: _Lines, handle: Handle) -> int:
-    if importlib.util.find_spec("torch") is None:
+def need_torch_here(target: Target) -> None:
+    """An evaluation or export on this machine runs torch here: say what to install before anything starts."""
+    if target.cluster is None and importlib.util.find_spec("torch") is None:
         raise UserError(
             f"evaluating on this machine needs torch, which this Python ({sys.executable}) lacks: "
             "pip install 'dtrain[eval]', or evaluate on a cluster with --cluster NAME"
         )
+
+
+def _run_here(argv: list[str], lines: _Lines, handle: Handle) -> int:
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
