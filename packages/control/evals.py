@@ -31,6 +31,7 @@ from dtrain.common.errors import ExitCode, UserError
 from dtrain.common.procs import dies_with_parent
 from dtrain.common.rundir import locate
 from dtrain.common.storage import Store, is_remote
+from dtrain.control.cluster import Cluster
 from dtrain.control.events import Event, Events, Handle, Stop
 from dtrain.evaluate import records
 
@@ -73,7 +74,7 @@ class Target:
 
     run: Store
     saved: dict[str, Any]  # the run's config.json
-    cluster: Any  # dtrain.control.cluster.Cluster, or None: this machine
+    cluster: Cluster | None  # None: this machine
     accept_new_host_keys: bool = False
 
     @property
