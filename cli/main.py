@@ -43,12 +43,24 @@ def _global(
 
 def _register() -> None:
     # Imported here, not at module top, only to keep the list of groups in one place.
-    from dtrain.cli import build_cmd, cluster_cmd, config_cmd, dashboard_cmd, gcp_cmd, runs_cmd, train_cmd
+    from dtrain.cli import (
+        build_cmd,
+        cluster_cmd,
+        config_cmd,
+        dashboard_cmd,
+        eval_cmd,
+        gcp_cmd,
+        runs_cmd,
+        train_cmd,
+    )
 
     app.add_typer(config_cmd.app, name="config")
     app.add_typer(train_cmd.app, name="train")
     app.command("runs")(runs_cmd.runs)
     app.command("logs")(runs_cmd.logs)
+    app.command("eval")(eval_cmd.eval_)
+    app.command("export")(eval_cmd.export)
+    app.command("plot")(eval_cmd.plot)
     app.command("doctor")(cluster_cmd.doctor)
     app.command("gpus")(cluster_cmd.gpus)
     app.command("exec")(cluster_cmd.exec_)

@@ -100,6 +100,8 @@ def _run(workload: str, cls: type, train: Callable[[Context], dict[str, Any]], a
                 ctx.ckpt.close()
             finally:
                 ctx.report.close()
+            if d.is_main:  # before the status, so a completed run has its picture
+                _curves(run, ctx.report)
             _status(d, run, "completed", ExitCode.OK, ctx, result=result)
             return ExitCode.OK
     except UserError as e:
@@ -239,6 +241,16 @@ def _context(workload: str, cfg: Any, d: Dist, run: Store, run_id: str, *, resum
         hosts = sorted({p.host for p in d.peers}) or [d.env.hostname]
         report.event(0, "started", f"started on {d.world_size} process(es)", world_size=d.world_size, hosts=hosts)
     return Context(workload, cfg, d, run, run_id, resuming, report, precision, ckpt, PreemptionWatch())
+
+
+def _curves(run: Store, report: Reporter) -> None:
+    """final/curves.png, best effort: a run that trained is not failed by its picture."""
+    try:
+        from dtrain.evaluate.curves import write_run_curves
+
+        write_run_curves(run)
+    except Exception as e:  # noqa: BLE001 - matplotlib missing, a full disk: say so and go on
+        report.info(f"final/curves.png not written: {e}")
 
 
 def _nothing_to_keep(d: Dist | None, run: Store | None) -> bool:

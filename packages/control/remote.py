@@ -90,7 +90,7 @@ class NodeInfo:
 def workload_packages() -> list[str]:
     from dtrain.control.settings import WORKLOADS
 
-    return ["common", *WORKLOADS]
+    return ["common", *WORKLOADS, "evaluate"]  # evaluate: runs draw their curves; `dtrain eval --cluster`
 
 
 def code_archive() -> tuple[bytes, str]:

@@ -1,0 +1,197 @@
+"""`dtrain eval`, `dtrain export` and `dtrain plot`: parse, call one function of dtrain.control.evals
+or dtrain.control.plots, render what it returns. The torch side runs as `python -m dtrain.evaluate`,
+started by the control layer; nothing here imports torch or matplotlib."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from dtrain.cli import console
+from dtrain.cli import options as o
+from dtrain.control.plots import DEFAULTS
+
+Run = Annotated[str, typer.Argument(help="run id under --output, or the run's directory / gs:// URL")]
+Checkpoint = Annotated[
+    int | None,
+    typer.Option("--checkpoint", metavar="STEP", help="a checkpoint's weights (default: the final model)"),
+]
+DataDir = Annotated[
+    str,
+    typer.Option("--data-dir", help="MNIST: the IDX files' directory, if not where the run found them"),
+]
+
+
+def eval_(
+    run: Run,
+    checkpoint: Checkpoint = None,
+    prompts: Annotated[
+        str, typer.Option("--prompts", help="LoRA: a file (or gs:// object) of prompts to continue, one a line")
+    ] = "",
+    data: Annotated[
+        str, typer.Option("--data", help="LoRA: the text to take held-out blocks from, if not the run's --data")
+    ] = "",
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", help="LoRA: tokens sampled per continuation (0: 48)")
+    ] = 0,
+    data_dir: DataDir = "",
+    output: o.Output = None,
+    cluster: o.Cluster = None,
+    accept_new_host_keys: o.AcceptNewHostKeys = False,
+    as_json: o.Json = False,
+) -> None:
+    """Evaluate a run's final model (or a checkpoint): MNIST accuracy, per class and as a confusion matrix;
+    LoRA held-out loss, perplexity and sampled continuations. The result is kept as eval/<id>.json."""
+    from dtrain.control.evals import EvalRequest, evaluate
+
+    where = _where(run, checkpoint, data_dir, output, cluster, accept_new_host_keys)
+    request = EvalRequest(**where, prompts_file=prompts, data=data, max_new_tokens=max_new_tokens)
+    with console.operation() as (events, handle):
+        record = evaluate(request, events=events if not as_json else _quiet(), handle=handle)
+    if as_json:
+        console.out.print_json(json.dumps(record))
+        return
+    headline, details = (_mnist if record["workload"] == "mnist" else _lora)(record)
+    console.out.print(f"{record['run_id']} {record['model']}: {headline}", highlight=False)
+    for item in details:
+        console.out.print(item)
+    console.out.print(f"kept as {record['run']}/eval/{record['id']}.json", highlight=False)
+
+
+def _where(
+    run: str, checkpoint: int | None, data_dir: str, output: str | None, cluster: str | None, accept: bool
+) -> dict[str, Any]:
+    """The fields of dtrain.control.evals.RunRequest, shared by eval and export."""
+    return {
+        "run": run,
+        "checkpoint": checkpoint,
+        "data_dir": data_dir,
+        "output": output,
+        "cluster": cluster,
+        "config_path": console.state.config_path,
+        "accept_new_host_keys": accept,
+    }
+
+
+def _quiet() -> Any:
+    from dtrain.control.events import Events
+
+    return Events()  # --json: the record alone on stdout
+
+
+def _logged(record: dict[str, Any], key: str, digits: int = 4) -> str:
+    """What the run itself logged for these weights, to read beside the evaluation's figure."""
+    value = (record.get("logged") or {}).get(key)
+    return f" (the run logged {value:.{digits}f})" if isinstance(value, (int, float)) else ""
+
+
+def _mnist(record: dict[str, Any]) -> tuple[str, list[Any]]:
+    """The headline and the confusion matrix, with each class's images and accuracy."""
+    from rich.table import Table
+
+    m = record["metrics"]
+    headline = (
+        f"accuracy [bold]{m['accuracy']:.4f}[/]{_logged(record, 'eval_accuracy')}, loss {m['loss']:.4f} "
+        f"on {m['images']} images of {m['dataset']} {m['split']}"
+    )
+    table = Table(title="confusion matrix (rows: true class, columns: predicted)", title_justify="left")
+    for name in ["class", *map(str, range(len(m["confusion_matrix"]))), "images", "accuracy"]:
+        table.add_column(name, justify="right")
+    for c, row in enumerate(m["confusion_matrix"]):
+        acc = m["per_class_accuracy"][c]
+        cells = [f"[bold]{v}[/]" if i == c else (str(v) if v else "[dim]0[/]") for i, v in enumerate(row)]
+        table.add_row(str(c), *cells, str(m["class_counts"][c]), f"{acc:.3f}" if acc is not None else "-")
+    return headline, [table]
+
+
+def _lora(record: dict[str, Any]) -> tuple[str, list[Any]]:
+    """The headline and the sampled continuations."""
+    from rich.text import Text
+
+    m = record["metrics"]
+    headline = (
+        f"held-out loss [bold]{m['loss']:.4f}[/]{_logged(record, 'eval_loss')}, perplexity "
+        f"[bold]{m['perplexity']:.3f}[/]{_logged(record, 'eval_perplexity', 3)} over {m['blocks']} blocks "
+        f"({m['tokens']:,} tokens)"
+    )
+    samples = [
+        Text.assemble(("prompt: ", "dim"), s["prompt"], "\n", ("   ->   ", "dim"), (s["continuation"], "cyan"))
+        for s in m["samples"]
+    ]
+    return headline, samples
+
+
+def export(
+    run: Run,
+    onnx: Annotated[bool, typer.Option("--onnx", help="export to ONNX (MNIST runs)")] = False,
+    checkpoint: Checkpoint = None,
+    to: Annotated[
+        Path | None, typer.Option("-o", "--to", help="also copy the model to this file", show_default=False)
+    ] = None,
+    data_dir: DataDir = "",
+    output: o.Output = None,
+    cluster: o.Cluster = None,
+    accept_new_host_keys: o.AcceptNewHostKeys = False,
+    as_json: o.Json = False,
+) -> None:
+    """Export a run's model to ONNX under the run (final/model.onnx), checked against torch on its test
+    split: the largest logit difference and whether every prediction is the same."""
+    from dtrain.common.errors import UserError
+    from dtrain.control.evals import ExportRequest
+    from dtrain.control.evals import export as control_export
+
+    if not onnx:
+        raise UserError("name the format: dtrain export RUN --onnx (ONNX is the one there is)")
+    where = _where(run, checkpoint, data_dir, output, cluster, accept_new_host_keys)
+    request = ExportRequest(**where, copy_to=str(to) if to else "")
+    with console.operation() as (events, handle):
+        check = control_export(request, events=events if not as_json else _quiet(), handle=handle)
+    if as_json:
+        console.out.print_json(json.dumps(check))
+        return
+    same = "yes" if check["predictions_equal"] else f"no ({check['mismatched_predictions']} differ)"
+    console.out.print(f"ONNX model (opset {check['opset']}): {check['path']}", highlight=False)
+    if check.get("copied_to"):
+        console.out.print(f"copied to {check['copied_to']}", highlight=False)
+    console.out.print(
+        f"checked against torch on {check['images']} images of {check['split']}: "
+        f"max |logit difference| {check['max_abs_diff']:.3g}, predictions equal: {same}",
+        highlight=False,
+    )
+
+
+def plot(
+    runs: Annotated[list[str], typer.Argument(help="run ids under --output, or run directories / gs:// URLs")],
+    to: Annotated[str, typer.Option("-o", "--out", help="the PNG to write (a path or gs:// URL)")] = "curves.png",
+    width: Annotated[int, typer.Option("--width", help="pixels")] = DEFAULTS["width"],
+    height: Annotated[int, typer.Option("--height", help="pixels")] = DEFAULTS["height"],
+    dpi: Annotated[int, typer.Option("--dpi", help="dots per inch (text size relative to the picture)")] = DEFAULTS[
+        "dpi"
+    ],
+    smoothing: Annotated[
+        float, typer.Option("--smoothing", help="exponential smoothing of the training loss, 0 (none) to <1")
+    ] = DEFAULTS["smoothing"],
+    output: o.Output = None,
+) -> None:
+    """Draw loss, accuracy or perplexity and learning rate against step for one or more runs, overlaid."""
+    from dtrain.control.plots import PlotRequest
+    from dtrain.control.plots import plot as control_plot
+
+    request = PlotRequest(
+        runs=runs,
+        path=to,
+        width=width,
+        height=height,
+        dpi=dpi,
+        smoothing=smoothing,
+        output=output,
+        config_path=console.state.config_path,
+    )
+    with console.operation() as (events, _handle):
+        result = control_plot(request, events=events)
+    console.out.print(
+        f"wrote {result.path} ({result.width}x{result.height}) for {', '.join(result.runs)}", highlight=False
+    )
