@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from dtrain.control import runs
@@ -136,14 +137,33 @@ def _not_yet(what: str, module: str) -> JSONResponse:
     return JSONResponse({"detail": f"{what} is not available in the dashboard yet ({why})"}, status_code=501)
 
 
-@router.post("/evals", summary="Start an evaluation of a run (not wired yet: 501)", status_code=202)
-def start_eval() -> JSONResponse:
-    return _not_yet("evaluating a run", "dtrain.control.evals")
+class EvalBody(BaseModel):
+    """What `dtrain eval` takes, as JSON."""
+
+    run: str
+    checkpoint: int | None = None
+    prompts: list[str] = []
+    max_new_tokens: int = 0
 
 
-@router.get("/evals/{eval_id}", summary="An evaluation's state and result (not wired yet: 501)")
-def read_eval(eval_id: str) -> JSONResponse:
-    return _not_yet("reading an evaluation", "dtrain.control.evals")
+@router.post("/evals", summary="Start an evaluation of a run (what `dtrain eval` does)", status_code=202)
+def start_eval(request: Request, body: EvalBody) -> dict[str, Any]:
+    """Checked at once (the run, its checkpoint, its workload), then run in the background on the
+    dashboard's machine or cluster; its record is eval/<id>.json under the run."""
+    run_id = runs.open_run(_dash(request).output, body.run).url.rstrip("/").rsplit("/", 1)[-1]
+    eval_id = _dash(request).evals.start(
+        run_id, checkpoint=body.checkpoint, prompts=tuple(body.prompts), max_new_tokens=body.max_new_tokens
+    )
+    return {"id": eval_id, "run": run_id, "state": "pending", "url": f"/api/v1/evals/{eval_id}?run={run_id}"}
+
+
+@router.get("/evals/{eval_id}", summary="An evaluation's state and result")
+def read_eval(
+    request: Request,
+    eval_id: str,
+    run: Annotated[str | None, Query(description="the run it evaluates (found by search when left out)")] = None,
+) -> dict[str, Any]:
+    return _dash(request).evals.read(eval_id, run)
 
 
 @router.get("/jobs", summary="The cluster's Slurm queue (not wired yet: 501)")

@@ -15,7 +15,7 @@ from fastapi.staticfiles import StaticFiles
 
 from dtrain.common.errors import UserError
 from dtrain.control.cluster import Cluster
-from dtrain.control.events import Events
+from dtrain.control.events import Events, Handle
 from dtrain.control.runs import BadRunId, NoLogs, NoSuchRun
 from dtrain.dashboard.auth import Guard
 
@@ -37,6 +37,10 @@ class Dashboard:
     ssh: Any = None  # one SSH session to the cluster's nodes, opened on first use, closed at shutdown
     _nodes: tuple[float, Any] | None = None
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    evals: Evals = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.evals = Evals(self)
 
     def node_states(self) -> Any:
         """The nodes' states, read at most every NODE_STATES_TTL_S (each reading takes a second)."""
@@ -54,9 +58,65 @@ class Dashboard:
             return states
 
     def close(self) -> None:
+        self.evals.stop()
         if self.ssh is not None:
             self.ssh.close()
             self.ssh = None
+
+
+class Evals:
+    """Evaluations started from the dashboard (POST /evals), each run in a thread through
+    dtrain.control.evals, as `dtrain eval` runs them; a stop at shutdown ends them (recorded failed)."""
+
+    def __init__(self, dash: Dashboard) -> None:
+        self.dash = dash
+        self._running: dict[str, tuple[str, Handle, threading.Thread]] = {}  # eval id -> run id, handle, thread
+        self._lock = threading.Lock()
+
+    def start(self, run_id: str, **request: Any) -> str:
+        from dtrain.control import evals
+
+        cluster = self.dash.cluster.name if self.dash.cluster_named else ""
+        plan = evals.plan_eval(evals.EvalRequest(run=run_id, output=self.dash.output, cluster=cluster, **request))
+        handle = Handle()
+
+        def work() -> None:
+            try:
+                evals.run_eval(plan, events=self.dash.events, handle=handle)
+            except UserError as e:  # recorded in eval/<id>.json by run_eval
+                self.dash.events.warning(f"evaluation {plan.eval_id} of {run_id}: {e}")
+
+        thread = threading.Thread(target=work, name=f"eval-{plan.eval_id}", daemon=True)
+        with self._lock:
+            self._running[plan.eval_id] = (run_id, handle, thread)
+        thread.start()
+        return plan.eval_id
+
+    def read(self, eval_id: str, run: str | None) -> dict[str, Any]:
+        from dtrain.control import evals, runs
+        from dtrain.evaluate.records import eval_name
+
+        eval_name(eval_id)  # a well-formed id, before it is looked for anywhere
+        with self._lock:
+            started = self._running.get(eval_id)
+        if run is None and started is not None:
+            run = started[0]
+        if run is not None:
+            return evals.read_eval(self.dash.output, runs.open_run(self.dash.output, run).url, eval_id)
+        for row in runs.runs_table(self.dash.output):  # one the dashboard did not start: find its run
+            try:
+                return evals.read_eval(self.dash.output, row["url"], eval_id)
+            except UserError:
+                continue
+        raise UserError(f"no evaluation {eval_id} under {self.dash.output}")
+
+    def stop(self) -> None:
+        with self._lock:
+            running = list(self._running.values())
+        for _run, handle, _thread in running:
+            handle.terminate()
+        for _run, _handle, thread in running:
+            thread.join(timeout=60)
 
 
 # UserError subclasses -> HTTP status; any other UserError is the request's fault (400).

@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -177,11 +178,32 @@ def test_nodes_and_gpus_of_this_machine(api: Api) -> None:
         )
 
 
-def test_evals_and_jobs_say_they_are_not_wired_yet(api: Api) -> None:
+def test_an_eval_started_over_the_api_gives_the_runs_own_accuracy(api: Api) -> None:
+    """POST /evals runs what `dtrain eval` runs (dtrain.control.evals), in the background; GET /evals/{id}
+    follows it to its record, whose accuracy is the run's own final eval accuracy."""
+    c = api.client
+    started = c.post("/api/v1/evals", json={"run": api.local_run})
+    assert started.status_code == 202, started.text
+    eval_id = started.json()["id"]
+    assert started.json()["run"] == api.local_run and started.json()["state"] == "pending"
+    deadline = time.monotonic() + 600
+    while (record := c.get(f"/api/v1/evals/{eval_id}").json()).get("state") in ("pending", "running"):
+        assert time.monotonic() < deadline, record
+        time.sleep(0.5)
+    assert record["state"] == "completed", record
+    final = json.loads((api.out / api.local_run / "status.json").read_text())["result"]
+    assert record["result"]["accuracy"] == final["accuracy"], (record, final)
+    # Found by its id alone, and in the run's eval/ folder, as `dtrain eval` leaves it.
+    assert c.get(f"/api/v1/evals/{eval_id}", params={"run": api.local_run}).json() == record
+    assert (api.out / api.local_run / "eval" / f"{eval_id}.json").is_file()
+    bad = c.get("/api/v1/evals/..%2F..%2Fconfig")
+    assert bad.status_code in (400, 404) and OUTSIDE not in bad.text
+    assert c.post("/api/v1/evals", json={"run": "no-such-run"}).status_code == 404
+
+
+def test_jobs_say_they_are_not_wired_yet(api: Api) -> None:
     c = api.client
     for answer, what in [
-        (c.post("/api/v1/evals", json={"run": api.local_run}), "evaluating a run"),
-        (c.get("/api/v1/evals/e1"), "reading an evaluation"),
         (c.get("/api/v1/jobs"), "the job queue"),
         (c.post("/api/v1/jobs", json={}), "submitting a job"),
         (c.delete("/api/v1/jobs/7"), "cancelling a job"),
