@@ -192,7 +192,7 @@ def test_an_eval_started_over_the_api_gives_the_runs_own_accuracy(api: Api) -> N
         time.sleep(0.5)
     assert record["state"] == "completed", record
     final = json.loads((api.out / api.local_run / "status.json").read_text())["result"]
-    assert record["result"]["accuracy"] == final["accuracy"], (record, final)
+    assert record["metrics"]["accuracy"] == final["accuracy"], (record, final)
     # Found by its id alone, and in the run's eval/ folder, as `dtrain eval` leaves it.
     assert c.get(f"/api/v1/evals/{eval_id}", params={"run": api.local_run}).json() == record
     assert (api.out / api.local_run / "eval" / f"{eval_id}.json").is_file()
