@@ -25,6 +25,8 @@ app = typer.Typer(
     help="Distributed PyTorch training on Google Cloud, on your own machines, or on this one.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # Plain help (click's): rich's panels cost a third of `dtrain --help`'s time (docs/decisions.md).
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 

@@ -15,7 +15,7 @@ Output = Annotated[
 ]
 Cluster = Annotated[
     str | None,
-    typer.Option("--cluster", help="a \\[clusters.NAME] from dtrain.toml (default: this machine)", show_default=False),
+    typer.Option("--cluster", help="a [clusters.NAME] from dtrain.toml (default: this machine)", show_default=False),
 ]
 Image = Annotated[
     str | None,

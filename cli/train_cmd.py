@@ -31,7 +31,7 @@ def _option(key: Any) -> Any:
     Its value is None when not given, so the config file and the environment keep their say."""
     from dtrain.common.config import flag
 
-    help_text = key.help.replace("[", "\\[")  # rich markup would eat [clusters.NAME]
+    help_text = key.help
     if key.default is dataclasses.MISSING:
         help_text += " (required)"
     elif key.default not in ("", []):
