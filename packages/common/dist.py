@@ -108,6 +108,13 @@ class Dist:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t / self.world_size
 
+    def broadcast_buffers(self, module: torch.nn.Module) -> None:
+        """Rank 0's buffers (BatchNorm statistics, say) into `module` on every rank."""
+        if self.backend is None:
+            return
+        for b in module.buffers():
+            dist.broadcast(b, src=0)
+
     def barrier(self, tag: str, timeout: float | None = None) -> None:
         """Wait for every rank; if one does not arrive, fail naming it and its host.
 

@@ -162,7 +162,13 @@ def train(ctx: Context) -> dict[str, Any]:
         )
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
     warmup = cfg.warmup_steps or max(1, int(DEFAULT_WARMUP_FRACTION * total))
-    ddp = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None) if d.backend else model
+    # The only buffers are rotary frequencies, constants computed alike on every rank: broadcasting
+    # them from rank 0 at every forward would be a collective per step for nothing.
+    ddp = (
+        DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None, broadcast_buffers=False)
+        if d.backend
+        else model
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     # The fused kernel updates every LoRA tensor in one pass; torch's CPU default is a per-tensor loop of ~12 ops.
     fused_adam = d.device.type in ("cpu", "cuda")
@@ -195,8 +201,11 @@ def train(ctx: Context) -> dict[str, Any]:
             "data": {"epoch": epoch, "step_in_epoch": in_epoch},
         }
 
+    # Evaluation runs on the unwrapped model: through DDP a forward may start collectives (buffer
+    # broadcasts), and a rank with no evaluation blocks would skip them and meet its peers at the
+    # next all-reduce instead, a mismatch that hangs until the timeout.
     if step == 0:  # the starting point, so a run shows how far it moved
-        metrics.update(evaluate(ctx, ddp, blocks.eval, micro, cfg.eval_batches))
+        metrics.update(evaluate(ctx, model, blocks.eval, micro, cfg.eval_batches))
         report.log(0, **{k: metrics[k] for k in ("eval_loss", "eval_perplexity")})
         report.info(f"step 0: eval loss {metrics['eval_loss']:.4f}, perplexity {metrics['eval_perplexity']:.3f}")
     report.start_progress(total, step, "train")
@@ -235,7 +244,7 @@ def train(ctx: Context) -> dict[str, Any]:
 
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == total:
             paused_at = d.synchronize()  # evaluation is not training throughput
-            metrics.update(evaluate(ctx, ddp, blocks.eval, micro, cfg.eval_batches))
+            metrics.update(evaluate(ctx, model, blocks.eval, micro, cfg.eval_batches))
             report.log(step, **{k: metrics[k] for k in ("eval_loss", "eval_perplexity")})
             report.info(
                 f"step {step}/{total}: eval loss {metrics['eval_loss']:.4f}, "

@@ -83,22 +83,28 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(ctx: Context, model: torch.nn.Module, data: Split, norm: Normalize, batch: int) -> dict[str, float]:
-    """Accuracy and loss on `data`, each rank taking a contiguous shard, summed across ranks."""
-    model.eval()
+def evaluate(ctx: Context, net: torch.nn.Module, data: Split, norm: Normalize, batch: int) -> dict[str, float]:
+    """Accuracy and loss of `net` (the unwrapped model, not DDP) on `data`, each rank taking a
+    contiguous shard, summed across ranks.
+
+    Not through DDP: its forward broadcasts the BatchNorm statistics, and a rank whose shard is empty
+    (fewer images than ranks) would skip that collective and hang its peers. Every rank takes rank
+    0's statistics here instead, as DDP would have, so the figures are those of the saved model."""
     d = ctx.d
+    d.broadcast_buffers(net)
+    net.eval()
     n = data.labels.shape[0]
     lo, hi = n * d.rank // d.world_size, n * (d.rank + 1) // d.world_size
     totals = torch.zeros(2, dtype=torch.float64, device=d.device)  # correct, loss sum
     for i in range(lo, hi, batch):
         x, y = norm(data.images[i : min(i + batch, hi)]), data.labels[i : min(i + batch, hi)]
         with ctx.precision.autocast():
-            logits = model(x)
+            logits = net(x)
         totals[0] += (logits.argmax(1) == y).sum()
         totals[1] += F.cross_entropy(logits.float(), y, reduction="sum")
     if d.backend is not None:
         torch.distributed.all_reduce(totals)
-    model.train()
+    net.train()
     return {"eval_accuracy": totals[0].item() / n, "eval_loss": totals[1].item() / n}
 
 
@@ -194,7 +200,7 @@ def train(ctx: Context) -> dict[str, Any]:
         epoch_end = step % steps_per_epoch == 0
         if epoch_end:
             paused_at = d.synchronize()  # evaluation is not training throughput
-            metrics.update(evaluate(ctx, model, eval_data, norm, cfg.eval_batch_size))
+            metrics.update(evaluate(ctx, net, eval_data, norm, cfg.eval_batch_size))
             best = max(best, metrics["eval_accuracy"])
             report.log(step, epoch=step // steps_per_epoch, **{k: metrics[k] for k in ("eval_accuracy", "eval_loss")})
             report.info(
