@@ -51,7 +51,7 @@ def pins() -> dict[str, list[tuple[str, str]]]:
         rel = p.relative_to(REPO).as_posix()
         hits = [(f"torch {m.group(1)}+cu{m.group(2)}", cuda_of(m.group(2))) for m in TORCH_BUILD.finditer(text)]
         hits += [(f"index whl/cu{m.group(1)}", cuda_of(m.group(1))) for m in INDEX_URL.finditer(text)]
-        hits += [(f"base image CUDA {m.group(1)}.{m.group(2)}", f"{m.group(1)}.{m.group(2)}") for m in BASE_IMAGE.finditer(text)]
+        hits += [(f"base image CUDA {v}", v) for v in (f"{m.group(1)}.{m.group(2)}" for m in BASE_IMAGE.finditer(text))]
         if hits:
             found[rel] = hits
     return found
@@ -59,7 +59,7 @@ def pins() -> dict[str, list[tuple[str, str]]]:
 
 def test_every_file_naming_a_cuda_pin_names_the_same_cuda_version():
     found = pins()
-    assert MUST_NAME <= set(found), f"the scan no longer finds the pins in {sorted(MUST_NAME - set(found))}"
+    assert set(found) >= MUST_NAME, f"the scan no longer finds the pins in {sorted(MUST_NAME - set(found))}"
     versions = {cuda for hits in found.values() for _, cuda in hits}
     assert len(versions) == 1, {f: hits for f, hits in found.items()}
 
@@ -72,11 +72,9 @@ def test_the_torch_build_is_one_torch_publishes_from_that_index():
     for build in builds:
         version, label = build.split("+cu")
         assert version == cpu_version.group(1), f"{build}: the CPU image has torch {cpu_version.group(1)}"
-        assert label in PUBLISHED.get(version, set()), (
-            f"torch {build} is not published (torch {version} has CUDA builds cu{', cu'.join(sorted(PUBLISHED[version]))})"
-            if version in PUBLISHED
-            else f"torch {version}: add its published CUDA builds to PUBLISHED, with their source"
-        )
+        assert version in PUBLISHED, f"torch {version}: add its published CUDA builds to PUBLISHED, with their source"
+        builds_of = ", ".join(f"cu{b}" for b in sorted(PUBLISHED[version]))
+        assert label in PUBLISHED[version], f"torch {build} is not published (torch {version} has {builds_of})"
 
 
 def test_the_gpu_nodes_driver_runs_the_image_cuda():
