@@ -153,3 +153,31 @@ class RefusedResume:
     files_before: dict[str, bytes]
     files_after: dict[str, bytes]
     runs_json: list[dict]
+
+
+# -- a workload in this process ---------------------------------------------------------------------
+
+
+def in_process(main, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
+    """Run a workload's `main(argv)` here as one process without torchrun (so a test can replace a
+    function inside it) and return its exit code."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DTRAIN_OFFLINE", "1")
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    return int(e.value.code)
+
+
+def forced_fp16_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the workloads run in fp16 with loss scaling on this CPU, as `auto` does on a T4:
+    torch's CPU autocast takes float16 and GradScaler("cpu") scales and unscales on the CPU.
+    (--precision fp16 refuses a CPU, rightly, for users: it is slow there.)"""
+    import torch
+
+    from dtrain.common import workload
+    from dtrain.common.config import Precision
+    from dtrain.common.precision import PrecisionPolicy
+
+    policy = PrecisionPolicy(Precision.FP16, torch.device("cpu"), "fp16 forced on the CPU by a test")
+    monkeypatch.setattr(workload, "resolve_precision", lambda requested, device: policy)

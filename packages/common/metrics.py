@@ -94,6 +94,12 @@ class Reporter:
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, step)
 
+    def event(self, step: int, kind: str, message: str, **fields: Any) -> None:
+        """Something that happened to the run rather than a measurement (its precision changed on a
+        resume, say): a metrics line {"step", "time", "event": kind, "message", ...} and a console line."""
+        self.log(step, event=kind, message=message, **fields)
+        self.info(f"step {step}: {message}")
+
     def flush(self) -> None:
         """Write metrics.jsonl in full (a small file; one atomic write works for gs:// too)."""
         if self.enabled and self.store is not None:

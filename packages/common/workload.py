@@ -24,7 +24,7 @@ from dtrain.common.checkpoint import Checkpointer
 from dtrain.common.dist import Dist, PeerFailure, distributed, is_comm_failure
 from dtrain.common.errors import ExitCode, Preempted, UserError
 from dtrain.common.metrics import Reporter, print_error
-from dtrain.common.precision import PrecisionPolicy, device_name, resolve_precision
+from dtrain.common.precision import PrecisionPolicy, device_name, resolve_precision, restore_scaler
 from dtrain.common.preempt import PreemptionWatch
 from dtrain.common.rundir import RUN_ID_RE, config_diff, locate, new_run_id, read_json, write_json
 from dtrain.common.storage import Store, is_remote, open_store
@@ -44,6 +44,14 @@ class Context:
     precision: PrecisionPolicy
     ckpt: Checkpointer
     preempt: PreemptionWatch
+
+    def restore_scaler(self, scaler: Any, state: dict[str, Any], step: int) -> None:
+        """The checkpoint's loss-scaler state into `scaler`; a change of precision since the
+        checkpoint is kept in the run's metrics as an event (precision is not part of the model
+        config: the same weights train on a T4 in fp16 and on an L4 in bf16)."""
+        change = restore_scaler(scaler, state, self.precision.mode)
+        if change:
+            self.report.event(step, "precision", change, precision=self.precision.mode.value)
 
     def stop_requested(self) -> bool:
         """True on every rank once any rank got SIGTERM. Call once per step."""
@@ -104,7 +112,7 @@ def _run(workload: str, cls: type, train: Callable[[Context], dict[str, Any]], a
     except UserError as e:
         if rank == 0:
             print_error(str(e))
-        if resumed_run is None and _nothing_to_keep(d, run):
+        if resumed_run is None and e.exit_code == ExitCode.USAGE and _nothing_to_keep(d, run):
             run.delete("")  # a fresh run stopped by bad input before any checkpoint: no debris
         else:
             _status(d, run, "failed", e.exit_code, ctx, error=str(e))

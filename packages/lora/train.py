@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtrain.common.config import Precision
 from dtrain.common.errors import Preempted, UserError
+from dtrain.common.precision import check_training
 from dtrain.common.sampling import epoch_order, rank_batch
 from dtrain.common.workload import Context, run_workload
 from dtrain.lora.config import LoraConfig
@@ -185,9 +186,9 @@ def train(ctx: Context) -> dict[str, Any]:
         set_peft_model_state_dict(model, state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
         step = state["step"]
         report.rewind(step)
+        ctx.restore_scaler(scaler, state, step)
     else:
         torch.manual_seed(cfg.run.seed * 1_000_003 + d.rank + 1)  # per-rank dropout streams
 
@@ -198,6 +199,7 @@ def train(ctx: Context) -> dict[str, Any]:
             "optimizer": opt.state_dict(),
             "scheduler": sched.state_dict(),
             "scaler": scaler.state_dict(),
+            "precision": ctx.precision.mode.value,
             "data": {"epoch": epoch, "step_in_epoch": in_epoch},
         }
 
@@ -238,6 +240,7 @@ def train(ctx: Context) -> dict[str, Any]:
                 samples_per_s=tokens / elapsed / cfg.seq_len,
             )
             report.advance(step, f"loss {mean_loss:.4f}")
+            check_training(mean_loss, scaler, ctx.precision.mode, step)  # the row above stays, for the record
             metrics["loss"] = mean_loss
             window.zero_()
             window_steps, window_start = 0, time.perf_counter()

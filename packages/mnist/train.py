@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtrain.common.errors import Preempted, UserError
+from dtrain.common.precision import check_training
 from dtrain.common.sampling import epoch_order, rank_batch
 from dtrain.common.workload import Context, run_workload
 from dtrain.mnist.config import MnistConfig
@@ -141,9 +142,9 @@ def train(ctx: Context) -> dict[str, Any]:
         net.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
         step, best = state["step"], state.get("best_accuracy", 0.0)
         report.rewind(step)
+        ctx.restore_scaler(scaler, state, step)
         pos = state["data"]
         if (pos["epoch"], pos["step_in_epoch"]) != divmod(step, steps_per_epoch):
             raise UserError(
@@ -161,6 +162,7 @@ def train(ctx: Context) -> dict[str, Any]:
             "optimizer": opt.state_dict(),
             "scheduler": sched.state_dict(),
             "scaler": scaler.state_dict(),
+            "precision": ctx.precision.mode.value,
             "best_accuracy": best,
             "data": {"epoch": epoch, "step_in_epoch": in_epoch},
         }
@@ -193,6 +195,7 @@ def train(ctx: Context) -> dict[str, Any]:
                 samples_per_s=window_steps * cfg.batch_size / elapsed,
             )
             report.advance(step, f"loss {mean_loss:.4f}")
+            check_training(mean_loss, scaler, ctx.precision.mode, step)  # the row above stays, for the record
             metrics["loss"] = mean_loss
             window_loss.zero_()
             window_start, window_steps = time.perf_counter(), 0
