@@ -216,6 +216,7 @@ def _context(workload: str, cfg: Any, d: Dist, run: Store, run_id: str, *, resum
         tb_dir=None if is_remote(run.url) else os.path.join(run.url, "tensorboard"),
     )
     precision = resolve_precision(cfg.run.precision, d.device)
+    precision.configure()
     ifnames = "".join(f", {k}={v}" for k, v in d.env.socket_ifnames.items())
     report.info(f"[bold]{workload}[/] run [cyan]{run_id}[/] -> {run.url}")
     report.info(

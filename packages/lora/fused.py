@@ -26,7 +26,7 @@ another ~6% (docs/decisions.md, "CPU throughput"). Each is tested equal to the s
 
 Used only where exact: LoRA on an nn.Linear with one active, unmerged adapter, no dropout or DoRA;
 the linear and the norm in fp32 without autocast (the norm's stock path rounds through the input
-dtype); anything else runs the stock forward.
+dtype); the linear on the CPU only; anything else runs the stock forward.
 """
 
 from __future__ import annotations
@@ -157,6 +157,9 @@ def _fused_linear_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any)
         and not self.use_dora.get(name, False)
         and isinstance(self.lora_dropout[name], torch.nn.Identity)
         and not self.base_layer.weight.requires_grad
+        # The fusion exists for oneDNN. On a GPU, [W'; A] would be a second copy of every adapted
+        # weight, kept for the backward, to save products that cuBLAS runs as fast unfused.
+        and x.device.type == "cpu"
         and _exact_fp32(x, self.lora_A[name].weight, self.lora_B[name].weight, self.base_layer.weight)
     )
     if not usable:

@@ -149,3 +149,18 @@ def test_linear_equals_mm_with_strided_operands_through_onednn_and_without(monke
     torch.testing.assert_close(linear(x, w.t().contiguous().t()).double(), want, rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(fused_module, "_ONEDNN", False)
     torch.testing.assert_close(linear(x, w).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_linear_runs_on_the_cpu_only():
+    """The fused linear exists for oneDNN. On a GPU its [W'; A] would be a second copy of every adapted
+    weight, kept for the backward, for a product cuBLAS runs as fast unfused. A meta tensor stands in
+    for a CUDA one here: on any device but the CPU the layer takes peft's own forward."""
+    m = lora_model("tiny-llama")
+    assert fuse_lora_linears(m) == 4 * 7
+    layer = m.base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 8, 256, requires_grad=True)
+    assert "LoraLinearFnBackward" in graph_nodes(layer(x).sum())
+    layer.to("meta")
+    y = layer(x.detach().to("meta").requires_grad_())
+    assert y.device.type == "meta" and y.shape == (2, 8, 256)
+    assert "LoraLinearFnBackward" not in graph_nodes(y.sum())
