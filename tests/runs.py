@@ -158,12 +158,14 @@ class RefusedResume:
 # -- a workload in this process ---------------------------------------------------------------------
 
 
-def in_process(main, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
-    """Run a workload's `main(argv)` here as one process without torchrun (so a test can replace a
-    function inside it) and return its exit code."""
+def in_process(main, argv: list[str], monkeypatch: pytest.MonkeyPatch, **launcher_env: str) -> int:
+    """Run a workload's `main(argv)` here (so a test can replace a function inside it) and return its
+    exit code: one process without torchrun, or with `launcher_env` the variables torchrun would set."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("DTRAIN_OFFLINE", "1")
+    for name, value in launcher_env.items():
+        monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as e:
         main(argv)
     return int(e.value.code)

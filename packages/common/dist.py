@@ -16,15 +16,17 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from dtrain.common.config import Backend
 from dtrain.common.env import LaunchEnv
-from dtrain.common.errors import UserError
+from dtrain.common.errors import ExitCode, UserError
+
+T = TypeVar("T")
 
 # How long ranks wait for each other at the end: rank 0 may still be writing the final model
 # (a merged LLM uploaded to a bucket takes minutes).
@@ -114,6 +116,28 @@ class Dist:
             return
         for b in module.buffers():
             dist.broadcast(b, src=0)
+
+    def node_first(self, tag: str, fn: Callable[[], T], timeout: float) -> T:
+        """`fn()` on every rank, on each node's local rank 0 before the node's other ranks: for work whose
+        first run fills a cache on the node (a model download) that the others then read.
+
+        Every rank waits for all the first runs at a barrier of its own `timeout`, not the collective
+        timeout, which one slow node's download would exceed. A UserError from a first run is raised on
+        every rank, so all exit with its message and code instead of waiting."""
+        if self.backend is None:
+            return fn()
+        result: Any = None
+        error: tuple[str, int] | None = None
+        if self.local_rank == 0:
+            try:
+                result = fn()
+            except UserError as e:
+                error = (str(e), int(e.exit_code))
+        self.barrier(tag, timeout=timeout)
+        errors = [e for e in self.gather(error) if e is not None]
+        if errors:
+            raise UserError(errors[0][0], exit_code=ExitCode(errors[0][1]))
+        return result if self.local_rank == 0 else fn()
 
     def barrier(self, tag: str, timeout: float | None = None) -> None:
         """Wait for every rank; if one does not arrive, fail naming it and its host.

@@ -103,6 +103,20 @@ def train_step(
     return loss_sum, norm
 
 
+def wrap_ddp(model: torch.nn.Module, d: Any) -> DDP:
+    """DDP over the LoRA weights only. Its constructor broadcasts rank 0's parameters and buffers to
+    every rank; the frozen base weights are left out of that, as every rank reads them from the same
+    files or builds them from the same seed on the CPU (load_base), and a 7B model's would be 14 GB
+    through the network at start-up. The only buffers are rotary frequencies, constants computed alike
+    on every rank: broadcasting them at every forward (DDP's default) would be a collective a step for
+    nothing."""
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    DDP._set_params_and_buffers_to_ignore_for_model(model, frozen + [n for n, _ in model.named_buffers()])
+    # forward_sync_buffers is torch 2.13's name for the per-forward broadcast; the ignore list above keeps
+    # the buffers out of the constructor's broadcast, which that flag alone does not.
+    return DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None, forward_sync_buffers=False)
+
+
 def base_dtype(precision: Precision, device: torch.device) -> torch.dtype:
     """Frozen base weights in the compute dtype on GPU (half the memory and bandwidth); LoRA weights
     stay fp32 (peft's default), so the optimizer updates full-precision values."""
@@ -122,7 +136,7 @@ def train(ctx: Context) -> dict[str, Any]:
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
 
     texts = read_documents(cfg.data, cfg.text_field)
-    model, tokenizer = load_base(cfg.model, base_dtype(ctx.precision.mode, d.device), seed=cfg.run.seed)
+    model, tokenizer = load_base(cfg.model, base_dtype(ctx.precision.mode, d.device), cfg.run.seed, d.device, d)
     model, targets = apply_lora(
         model,
         cfg.model,
@@ -132,7 +146,7 @@ def train(ctx: Context) -> dict[str, Any]:
         targets=cfg.target_modules,
         seed=cfg.run.seed,
     )
-    model.to(d.device)
+    model.to(d.device)  # peft puts LoRA weights beside their base layer; this catches any it does not
     fused = fuse_model(model)  # exact regroupings of the stock arithmetic; the stock path where they do not apply
     vocab = getattr(model.config, "vocab_size", None)
     blocks: Blocks = load_blocks(
@@ -163,13 +177,7 @@ def train(ctx: Context) -> dict[str, Any]:
         )
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
     warmup = cfg.warmup_steps or max(1, int(DEFAULT_WARMUP_FRACTION * total))
-    # The only buffers are rotary frequencies, constants computed alike on every rank: broadcasting
-    # them from rank 0 at every forward would be a collective per step for nothing.
-    ddp = (
-        DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None, broadcast_buffers=False)
-        if d.backend
-        else model
-    )
+    ddp = wrap_ddp(model, d) if d.backend else model
     params = [p for p in model.parameters() if p.requires_grad]
     # The fused kernel updates every LoRA tensor in one pass; torch's CPU default is a per-tensor loop of ~12 ops.
     fused_adam = d.device.type in ("cpu", "cuda")

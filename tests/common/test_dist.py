@@ -3,7 +3,11 @@ errors too; and what is read from the environment."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -89,3 +93,67 @@ def test_launch_env_reads_torchrun_variables():
     assert (e.master_addr, e.master_port, e.run_id, e.under_launcher) == ("10.0.0.2", 29400, "mnist-x", True)
     assert e.socket_ifnames == {"NCCL_SOCKET_IFNAME": "ens4"}
     assert not LaunchEnv.read({}).under_launcher
+
+
+NODE_FIRST_SCRIPT = """
+import json, os, sys, time
+from pathlib import Path
+from dtrain.common.dist import distributed
+from dtrain.common.errors import UserError
+
+cache = Path(sys.argv[1]) / os.environ["NODE"]  # one cache per node, as HF_HOME is
+
+def fetch():
+    if os.environ["LOCAL_RANK"] == "0":  # the node's first rank downloads, slowly
+        time.sleep(float(os.environ["DOWNLOAD_S"]))
+        if os.environ.get("FAIL"):
+            raise UserError("model 'x/y' is not on the hub")
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / "weights").write_text(f"written by rank {os.environ['RANK']}")
+    return (cache / "weights").read_text()  # the others only read the node's cache
+
+try:
+    with distributed(timeout_s=3) as d:  # a 3 s collective timeout
+        got = d.node_first("model download", fetch, timeout=60)
+        d.barrier("after")  # and the group still works
+    print(json.dumps({"got": got}))
+except UserError as e:
+    print(json.dumps({"error": str(e), "code": int(e.exit_code)}))
+"""
+
+
+def node_first_job(tmp_path, ranks: list[dict[str, str]]) -> list[dict]:
+    """Two real processes with the variables torchrun sets, each a rank of one job."""
+    script = tmp_path / "job.py"
+    script.write_text(NODE_FIRST_SCRIPT)
+    port = str(free_port())
+    procs = []
+    for rank, extra in enumerate(ranks):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(len(ranks)), "LOCAL_WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": "lo", **extra}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "cache")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
+def test_a_slow_download_on_one_node_does_not_time_the_others_out(tmp_path):
+    """Two nodes of one rank each: node b's download takes 5 s, node a's none; node a waits past the
+    3 s collective timeout, at the download's own barrier (with a 3 s one there, this job fails), and
+    both read their own node's files."""
+    got = node_first_job(tmp_path, [dict(NODE="a", LOCAL_RANK="0", DOWNLOAD_S="0"),
+                                    dict(NODE="b", LOCAL_RANK="0", DOWNLOAD_S="5")])  # fmt: skip
+    assert got == [{"got": "written by rank 0"}, {"got": "written by rank 1"}]
+
+
+def test_the_other_ranks_of_a_node_read_what_its_first_rank_downloaded(tmp_path):
+    got = node_first_job(tmp_path, [dict(NODE="a", LOCAL_RANK="0", DOWNLOAD_S="2"),
+                                    dict(NODE="a", LOCAL_RANK="1", DOWNLOAD_S="0")])  # fmt: skip
+    assert got == [{"got": "written by rank 0"}] * 2  # rank 1 downloaded nothing, and waited for it
+
+
+def test_a_failed_download_fails_every_rank_with_its_message(tmp_path):
+    got = node_first_job(tmp_path, [dict(NODE="a", LOCAL_RANK="0", DOWNLOAD_S="0"),
+                                    dict(NODE="b", LOCAL_RANK="0", DOWNLOAD_S="0", FAIL="1")])  # fmt: skip
+    assert got == [{"error": "model 'x/y' is not on the hub", "code": 2}] * 2

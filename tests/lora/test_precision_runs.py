@@ -16,24 +16,15 @@ from runs import forced_fp16_on_cpu, in_process, metrics, only_run
 
 pytest.importorskip("peft", reason="needs the lora extra: pip install -e .[lora]")
 
-from dtrain.lora import model as lora_model  # noqa: E402 - after the skip
-from dtrain.lora import train as lora_train  # noqa: E402
+from dtrain.lora import train as lora_train  # noqa: E402 - after the skip
 
-# tiny-llama's matrix products take seconds a step in fp16 on a CPU (no native fp16 matmul); a preset
-# an eighth as wide takes a tenth of a second, and goes through the same code.
-MICRO = lora_model.Preset(
-    "llama",
-    dict(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-         num_key_value_heads=2, max_position_embeddings=256),
-    lora_model.LLAMA_TARGETS,
-)  # fmt: skip
 ARGS = ["--model", "micro-llama", "--seq-len", "32", "--batch-size", "4", "--lr", "1e-2",
         "--log-every", "2", "--checkpoint-every", "2", "--eval-batches", "1"]  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
-def micro_llama(monkeypatch):
-    monkeypatch.setitem(lora_model.PRESETS, "micro-llama", MICRO)
+def _micro(micro_llama):
+    """Every run here uses the micro preset (conftest.py)."""
 
 
 def state_at(run: Path, step: int) -> dict:
