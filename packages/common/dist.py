@@ -70,15 +70,19 @@ class Dist:
         return self.peers[self.rank] if self.peers else Peer(self.rank, self.env.hostname, os.getpid())
 
     def any(self, flag: bool) -> bool:
-        """True on every rank if it is True on any rank (e.g. 'a SIGTERM arrived somewhere').
+        """True on every rank if it is True on any rank (e.g. 'a SIGTERM arrived somewhere')."""
+        return self.max_of(1.0 if flag else 0.0)[0] > 0
+
+    def max_of(self, *values: float) -> list[float]:
+        """Each value's maximum over the ranks, on every rank: one blocking round trip.
 
         Runs on the CPU (gloo) group: a GPU tensor here would make the host wait for the GPU's
-        queue on every call, stalling the pipeline once per step."""
+        queue on every call, stalling the pipeline."""
         if self.backend is None:
-            return flag
-        t = torch.tensor([1 if flag else 0])
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._cpu_group)
-        return bool(t.item())
+        return t.tolist()
 
     def synchronize(self) -> float:
         """Wait for this rank's queued GPU work; returns time.perf_counter() after it. Timers that

@@ -25,7 +25,7 @@ from dtrain.common.dist import Dist, PeerFailure, distributed, is_comm_failure
 from dtrain.common.errors import ExitCode, Preempted, UserError
 from dtrain.common.metrics import Reporter, print_error
 from dtrain.common.precision import PrecisionPolicy, device_name, resolve_precision, restore_scaler
-from dtrain.common.preempt import PreemptionWatch
+from dtrain.common.preempt import PreemptionPoll, PreemptionWatch
 from dtrain.common.rundir import RUN_ID_RE, config_diff, locate, new_run_id, read_json, write_json
 from dtrain.common.storage import Store, is_remote, open_store
 
@@ -44,6 +44,7 @@ class Context:
     precision: PrecisionPolicy
     ckpt: Checkpointer
     preempt: PreemptionWatch
+    poll: PreemptionPoll
 
     def restore_scaler(self, scaler: Any, state: dict[str, Any], step: int) -> None:
         """The checkpoint's loss-scaler state into `scaler`; a change of precision since the
@@ -53,9 +54,10 @@ class Context:
         if change:
             self.report.event(step, "precision", change, precision=self.precision.mode.value)
 
-    def stop_requested(self) -> bool:
-        """True on every rank once any rank got SIGTERM. Call once per step."""
-        return self.d.any(self.preempt.requested)
+    def stop_requested(self, step: int) -> bool:
+        """True on every rank, at the same step, once any rank got SIGTERM. Call after every step;
+        the ranks agree on it every few steps (PreemptionPoll)."""
+        return self.poll(step)
 
 
 def resolve_config(workload: str, cls: type[C], argv: Sequence[str] | None) -> tuple[C, Store | None]:
@@ -233,7 +235,8 @@ def _context(workload: str, cfg: Any, d: Dist, run: Store, run_id: str, *, resum
         log=report.info,
         before_save=report.flush,
     )
-    return Context(workload, cfg, d, run, run_id, resuming, report, precision, ckpt, PreemptionWatch())
+    watch = PreemptionWatch()
+    return Context(workload, cfg, d, run, run_id, resuming, report, precision, ckpt, watch, PreemptionPoll(d, watch))
 
 
 def _nothing_to_keep(d: Dist | None, run: Store | None) -> bool:

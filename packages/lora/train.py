@@ -262,7 +262,7 @@ def train(ctx: Context) -> dict[str, Any]:
                 f"perplexity {metrics['eval_perplexity']:.3f}"
             )
             window_start += time.perf_counter() - paused_at
-        stop = ctx.stop_requested()
+        stop = ctx.stop_requested(step)
         ctx.ckpt.save(step, snapshot, epoch_end=in_epoch + 1 == steps_per_epoch, last=stop or step == total)
         if stop:
             raise Preempted()

@@ -218,7 +218,7 @@ def train(ctx: Context) -> dict[str, Any]:
                 f"{metrics['eval_accuracy']:.4f}, loss {metrics['eval_loss']:.4f}"
             )
             window_start += time.perf_counter() - paused_at
-        stop = ctx.stop_requested()
+        stop = ctx.stop_requested(step)
         ctx.ckpt.save(step, snapshot, epoch_end=epoch_end, last=stop or step == total)
         if stop:
             raise Preempted()
