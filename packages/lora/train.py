@@ -58,14 +58,15 @@ def evaluate(ctx: Context, model: torch.nn.Module, blocks: torch.Tensor, micro: 
     model.eval()
     n = blocks.shape[0] if not cap else min(blocks.shape[0], cap * micro * d.world_size)
     lo, hi = n * d.rank // d.world_size, n * (d.rank + 1) // d.world_size
-    totals = torch.zeros(2, dtype=torch.float64, device=d.device)  # loss * blocks, blocks
-    for i in range(lo, hi, micro):
-        x = blocks[i : min(i + micro, hi)].to(d.device)
+    # One copy of this rank's blocks to the device and one tensor for the sums, not one of each per
+    # batch: from the host's pageable memory each is a copy the CPU waits for.
+    mine = blocks[lo:hi].to(d.device)
+    totals = torch.tensor([0.0, hi - lo], dtype=torch.float64, device=d.device)  # loss * blocks, blocks
+    for i in range(0, hi - lo, micro):
+        x = mine[i : i + micro]
         with ctx.precision.autocast():
             loss = lm_loss(model, x)
-        totals += torch.stack(
-            [loss.double() * x.shape[0], torch.tensor(x.shape[0], dtype=torch.float64, device=d.device)]
-        )
+        totals[0] += loss.double() * x.shape[0]
     if d.backend is not None:
         torch.distributed.all_reduce(totals)
     model.train()
