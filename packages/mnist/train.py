@@ -83,6 +83,15 @@ def train_step(
     return loss.detach()
 
 
+def make_optimizer(net: torch.nn.Module, cfg: MnistConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over `net`. On a GPU, the fused kernel takes GradScaler's scale and overflow flag as
+    tensors; the default one has GradScaler read the flag with .item(), a host-GPU sync at every fp16
+    step (benchmarks/gpu_smoke.py checks that none is left)."""
+    return torch.optim.AdamW(
+        net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda" or None
+    )
+
+
 @torch.no_grad()
 def evaluate(ctx: Context, net: torch.nn.Module, data: Split, norm: Normalize, batch: int) -> dict[str, float]:
     """Accuracy and loss of `net` (the unwrapped model, not DDP) on `data`, each rank taking a
@@ -135,11 +144,7 @@ def train(ctx: Context) -> dict[str, Any]:
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     net = MnistNet(cfg.width).to(d.device, memory_format=torch.channels_last)
     model = DDP(net, device_ids=[d.device.index] if d.device.type == "cuda" else None) if d.backend else net
-    # On a GPU, the fused kernel takes GradScaler's scale and overflow flag as tensors; the default
-    # one has GradScaler read the flag with .item(), a host-GPU sync at every fp16 step.
-    opt = torch.optim.AdamW(
-        net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=d.device.type == "cuda" or None
-    )
+    opt = make_optimizer(net, cfg, d.device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total))
     scaler = ctx.precision.make_scaler()
 
