@@ -3,15 +3,12 @@ errors too; and what is read from the environment."""
 
 from __future__ import annotations
 
-import json
-import os
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+from runs import free_port, rank_env, run_ranks
 
 from dtrain.common.config import Backend
 from dtrain.common.dist import distributed, pick_backend
@@ -19,24 +16,9 @@ from dtrain.common.env import LaunchEnv
 from dtrain.common.errors import UserError
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def one_rank(monkeypatch):
-    env = {
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "GLOO_SOCKET_IFNAME": "lo",
-    }
-    for k, v in env.items():
+    for k, v in rank_env(0, 1, free_port()).items():
         monkeypatch.setenv(k, v)
 
 
@@ -123,19 +105,9 @@ except UserError as e:
 
 
 def node_first_job(tmp_path, ranks: list[dict[str, str]]) -> list[dict]:
-    """Two real processes with the variables torchrun sets, each a rank of one job."""
     script = tmp_path / "job.py"
     script.write_text(NODE_FIRST_SCRIPT)
-    port = str(free_port())
-    procs = []
-    for rank, extra in enumerate(ranks):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(len(ranks)), "LOCAL_WORLD_SIZE": "1",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "GLOO_SOCKET_IFNAME": "lo", **extra}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "cache")], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    return run_ranks(script, ranks, str(tmp_path / "cache"))
 
 
 def test_a_slow_download_on_one_node_does_not_time_the_others_out(tmp_path):

@@ -4,11 +4,7 @@ far fewer times than they step, and both stop at the same step soon after one of
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
+from runs import run_ranks
 
 POLL_SCRIPT = """
 import json, os, signal, sys, time
@@ -34,24 +30,10 @@ print(json.dumps({"polled": polled, "stopped": step}))
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ranks_of_different_speeds_poll_together_and_stop_together(tmp_path):
     script = tmp_path / "poll.py"
     script.write_text(POLL_SCRIPT)
-    port, procs = str(free_port()), []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    r0, r1 = (json.loads(out.strip().splitlines()[-1]) for out in outs)
+    r0, r1 = run_ranks(script, [{}, {}])
     assert r0["polled"] == r1["polled"] and r0["stopped"] == r1["stopped"]
     polled = r0["polled"]
     # The first agreement is after step 1; then about 50 ms apart: 12 steps of rank 1's 4 ms.

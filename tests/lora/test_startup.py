@@ -4,23 +4,16 @@ several of them neither warns on every rank nor touches every GPU from every ran
 
 from __future__ import annotations
 
-import socket
 import warnings
 
 import pytest
 import torch
-from runs import in_process
+from runs import free_port, in_process, rank_env
 
 pytest.importorskip("peft", reason="needs the lora extra: pip install -e .[lora]")
 
 from dtrain.lora import train as lora_train  # noqa: E402 - after the skip
 from dtrain.lora.model import apply_lora, load_base  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ddp_broadcasts_only_the_lora_weights_at_start(tmp_path, corpus, micro_llama, monkeypatch):
@@ -36,9 +29,7 @@ def test_ddp_broadcasts_only_the_lora_weights_at_start(tmp_path, corpus, micro_l
     monkeypatch.setattr(torch.distributed, "_broadcast_coalesced", spy)
     argv = ["--model", micro_llama, "--data", str(corpus), "--seq-len", "32", "--batch-size", "4",
             "--max-steps", "2", "--eval-batches", "1", "--output", str(tmp_path / "runs")]  # fmt: skip
-    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo")  # fmt: skip
-    assert in_process(lora_train.main, argv, monkeypatch, **env) == 0
+    assert in_process(lora_train.main, argv, monkeypatch, **rank_env(0, 1, free_port())) == 0
     # LoRA r 8 on 2 layers of width 32 (MLP 64): q, k, v, o 8 x (32 + 32) each; gate, up and down
     # 8 x (32 + 64) each. The base model (word embeddings alone are 258 x 32) is not broadcast.
     lora = 2 * (4 * 8 * (32 + 32) + 3 * 8 * (32 + 64))
