@@ -7,11 +7,12 @@
 Each line reads `PASS|FAIL|SKIP <check>: <figures or reason>`; the exit code is 1 if any check
 failed. On a GPU it runs MNIST and LoRA for a few steps in each precision the GPU has, the nccl
 all-reduce check, the LoRA benchmark in bf16, and the checks that the review of the GPU paths
-(docs/gpu.md) could not make on a CPU: no host sync in an fp16 MNIST step, no math-backend attention
-for grouped heads, TF32 for fp32 products, no fused LoRA linear on CUDA, one sync per LoRA
-evaluation rather than two a batch, a precision change on resume, weights read straight onto the
-GPU, no RNG-fork warning with several GPUs. `--cpu` (the default without a GPU) runs the checks
-that have a CPU form, so this script is exercised by the tests on machines without a GPU.
+(docs/gpu.md) could not make on a CPU: no host sync in an fp16 MNIST step, cuDNN's autotuner for
+MNIST, no math-backend attention for grouped heads, TF32 for fp32 products, no fused LoRA linear on
+CUDA, a few syncs per LoRA evaluation rather than two a batch, a precision change on resume, weights
+read straight onto the GPU, no RNG-fork warning with several GPUs. `--cpu` (the default without a
+GPU) runs the checks that have a CPU form, so this script is exercised by the tests on machines
+without a GPU.
 """
 
 from __future__ import annotations
@@ -240,6 +241,41 @@ def check_mnist_step_syncs(env: Env) -> str:
     return f"5 fp16 steps, no host sync (fused AdamW: {opt.defaults.get('fused')}); loss {loss.item():.3f}"
 
 
+def check_mnist_cudnn_benchmark(env: Env) -> str:
+    """MNIST's fixed shapes with cuDNN's autotuner (dtrain sets cudnn.benchmark on CUDA): fp32
+    steps timed with it off, then on; on should not be slower."""
+    env.need_cuda()
+    from dtrain.common.config import Precision
+    from dtrain.common.precision import PrecisionPolicy
+    from dtrain.mnist.config import MnistConfig
+    from dtrain.mnist.model import MnistNet
+    from dtrain.mnist.train import Normalize, make_optimizer, train_step
+
+    policy = PrecisionPolicy(Precision.FP32, env.device, "smoke")
+    ctx = SimpleNamespace(precision=policy)
+    x = Normalize(0.13, 0.31)(torch.randint(0, 256, (256, 28, 28), dtype=torch.uint8, device=env.device))
+    y = torch.randint(0, 10, (256,), device=env.device)
+    ms = {}
+    for benchmark in (False, True):
+        torch.backends.cudnn.benchmark = benchmark
+        net = MnistNet(16).to(env.device, memory_format=torch.channels_last)
+        opt = make_optimizer(net, MnistConfig(), env.device)
+        sched, scaler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), policy.make_scaler()
+        for _ in range(10):  # the autotuner's trials happen here
+            train_step(ctx, net, opt, sched, scaler, x, y, 0.0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(100):
+            train_step(ctx, net, opt, sched, scaler, x, y, 0.0)
+        torch.cuda.synchronize()
+        ms[benchmark] = (time.perf_counter() - t0) * 10
+    torch.backends.cudnn.benchmark = False
+    line = f"batch 256 fp32: {ms[False]:.2f} ms/step without cudnn.benchmark, {ms[True]:.2f} with"
+    if ms[True] > 1.1 * ms[False]:
+        raise Failed(line)
+    return line
+
+
 def _qwen_attention_model(device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """Two layers of qwen2.5-0.5b-shape's attention geometry (14 query, 2 key/value heads of 64)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -454,6 +490,7 @@ CHECKS: dict[str, Callable[[Env], str]] = {
     "allreduce": check_allreduce,
     "lora-benchmark": check_lora_benchmark,
     "mnist-fp16-step-syncs": check_mnist_step_syncs,
+    "mnist-cudnn-benchmark": check_mnist_cudnn_benchmark,
     "sdpa-gqa": check_sdpa_gqa,
     "tf32": check_tf32,
     "fused-linear": check_fused_linear,

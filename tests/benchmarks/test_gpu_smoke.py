@@ -17,7 +17,8 @@ pytest.importorskip("peft", reason="needs the lora extra: pip install -e .[lora]
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_smoke.py"
 LINE = re.compile(r"^(PASS|FAIL|SKIP) ([a-z0-9-]+): (.+) \[\d+ s\]$")
 ON_CPU = {"mnist-fp32", "lora-fp32", "allreduce", "lora-benchmark", "sdpa-gqa", "fused-linear"}
-GPU_ONLY = {"mnist-fp16-step-syncs", "tf32", "lora-eval-syncs", "resume-bf16-to-fp16", "load-to-device", "fork-rng"}
+GPU_ONLY = {"mnist-fp16-step-syncs", "mnist-cudnn-benchmark", "tf32", "lora-eval-syncs", "resume-bf16-to-fp16",
+            "load-to-device", "fork-rng"}  # fmt: skip
 
 
 def smoke(*args: str, timeout: float) -> tuple[int, dict[str, tuple[str, str]], str]:
