@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -41,6 +42,8 @@ from typing import Any
 
 import torch
 
+from dtrain.common.config import Precision
+from dtrain.common.precision import resolve_precision
 from dtrain.lora.data import read_texts
 from dtrain.lora.model import PRESETS, apply_lora, load_base
 
@@ -58,14 +61,25 @@ QUICK_STEPS, QUICK_WARMUP = 6, 2
 # from dominating the wall time on a large corpus.
 OURS_EVAL_BATCHES = 4
 SHUTDOWN_GRACE_S = 60.0  # after Ctrl-C, how long a pipeline may take to stop before it is killed
-H100_BF16_DENSE_FLOPS = 989e12  # H100 SXM, bf16 dense tensor-core peak (the H200 has the same)
+# Dense (no 2:4 sparsity) peak FLOP/s by GPU and precision, from NVIDIA's datasheets, which quote the
+# tensor-core figures with sparsity (twice these). fp32 is the TF32 tensor-core rate where the GPU has
+# TF32, since dtrain runs fp32 products in TF32 on CUDA; the T4 has none, so its CUDA cores' fp32 rate.
+# The T4 has no bf16. Keys are matched as words in the name nvidia-smi reports, first match wins.
+PEAK_FLOPS = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
+    "H100 NVL": {"bf16": 835e12, "fp16": 835e12, "fp32": 417e12},
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 378e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},  # SXM
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 60e12},
+    "T4": {"fp16": 65e12, "fp32": 8.1e12},
+}
 # Settings a benchmark must not inherit from the caller's shell; where caches are may pass.
 KEEP_ENV = {"DTRAIN_CACHE_DIR", "DTRAIN_OFFLINE"}
 FLOPS_FORMULA = (
-    "FLOPs per trained token = 4 x N, N = the base model's non-embedding parameters (input and output "
-    "embedding matrices left out): 2N for the forward pass + 2N for the backward pass's activation "
-    "gradients; the frozen base weights get no weight gradients, and the LoRA matrices, attention scores "
-    "and the output projection onto the vocabulary are not counted"
+    "FLOPs per trained token = 4 N + 12 L T d: N the weights of every matrix product (output projection "
+    "included, input embedding not), L layers, T the sequence length, d the attention width; "
+    "benchmarks/README.md, 'MFU: the formula', says what each term counts and where it comes from"
 )
 MEASURES = {
     "tokens_per_s": "real (non-padding) tokens trained per second, over optimizer steps warmup+1..steps: "
@@ -155,32 +169,54 @@ def write_corpus(path: Path, limit_bytes: int | None) -> Path:
     return path
 
 
-def gpu_name() -> str:
-    """The GPU's name from nvidia-smi: asking torch would open a CUDA context in this process, which
-    holds GPU memory while the pipelines run."""
+def gpu_info() -> tuple[str, float]:
+    """The GPU's name and compute capability from nvidia-smi: asking torch would open a CUDA context in
+    this process, which holds GPU memory while the pipelines run."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+            ["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader", "-i", "0"],
             capture_output=True, text=True, timeout=30, check=True,
         ).stdout  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return "cuda"
-    return out.strip() or "cuda"
+        name, cap = (f.strip() for f in out.strip().rsplit(",", 1))
+        return name or "cuda", float(cap)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return "cuda", 0.0
 
 
-def flops_per_token(model_name: str) -> tuple[float, dict[str, int]]:
-    """4 x the base model's non-embedding parameters (see FLOPS_FORMULA), from a meta-device copy."""
+def default_precision(gpu: tuple[str, float] | None) -> str:
+    """bf16 on a GPU that has it (compute capability 8.0 and later), fp16 on one that does not (a T4),
+    fp32 on the CPU: what `dtrain train --precision auto` picks."""
+    if gpu is None:
+        return "fp32"
+    return "bf16" if gpu[1] >= 8.0 else "fp16"
+
+
+def peak_flops(gpu_name: str, precision: str) -> float | None:
+    """The dense peak FLOP/s of `gpu_name` in `precision` (PEAK_FLOPS), or None for a GPU or precision
+    the table does not have."""
+    for key, peaks in PEAK_FLOPS.items():
+        if re.search(rf"\b{re.escape(key)}\b", gpu_name):
+            return peaks.get(precision)
+    return None
+
+
+def flops_per_token(model_name: str, seq_len: int) -> tuple[float, dict[str, int]]:
+    """FLOPS_FORMULA for a preset at `seq_len`, from a meta-device copy of the model."""
+    from transformers.pytorch_utils import Conv1D  # GPT-2's projections
+
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, _ = load_base(model_name, torch.float32, seed=SEED)
-    params = {id(p): p.numel() for p in model.parameters()}  # tied weights once
-    embeddings = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    out = model.get_output_embeddings()
-    if out is not None:
-        embeddings[id(out.weight)] = out.weight.numel()
-    total = sum(params.values())
-    non_embedding = total - sum(embeddings.values())
-    return 4.0 * non_embedding, {"total": total, "non_embedding": non_embedding}
+    products = (torch.nn.Linear, Conv1D)
+    weights = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, products)}  # tied once
+    n = sum(weights.values())
+    cfg = model.config
+    layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    width = heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    attention = 12 * layers * seq_len * width
+    figures = {"total": sum(p.numel() for p in model.parameters()), "matmul_weights": n, "layers": layers,
+               "attention_width": width, "attention_flops_per_token": attention}  # fmt: skip
+    return 4.0 * n + attention, figures
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,9 +365,12 @@ def baseline_worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
-    bf16 = args.precision == "bf16"
-    # As dtrain does: frozen base weights in bf16 only on a GPU; peft keeps the LoRA weights in fp32.
-    model, tokenizer = load_base(args.model, torch.bfloat16 if cuda and bf16 else torch.float32, seed=SEED)
+    bf16, fp16 = args.precision == "bf16", args.precision == "fp16"
+    if cuda:  # the same process-wide math as dtrain's: fp32 products in TF32
+        resolve_precision(Precision(args.precision), torch.device("cuda", 0)).configure()
+    # As dtrain does: frozen base weights in the compute dtype only on a GPU; peft keeps LoRA's in fp32.
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision) if cuda else None
+    model, tokenizer = load_base(args.model, dtype or torch.float32, seed=SEED)
     model, _ = apply_lora(model, args.model, r=LORA_R, alpha=LORA_ALPHA, dropout=LORA_DROPOUT, targets=[], seed=SEED)
     docs = [t for t in read_texts(args.data, TEXT_FIELD) if t]
     if args.worker == "padded":
@@ -376,6 +415,7 @@ def baseline_worker(args: argparse.Namespace) -> None:
         dataloader_num_workers=0,
         use_cpu=not cuda,
         bf16=bf16,
+        fp16=fp16,
         seed=SEED,
         label_names=["labels"],
         disable_tqdm=True,
@@ -479,8 +519,13 @@ def report(
     console = Console()
     console.print(table)
     if gpu:
+        peak = (
+            f"{args.peak_flops / 1e12:g} TFLOP/s peak ({device}, {args.precision})"
+            if args.peak_flops
+            else (f"no peak known for {device} in {args.precision}: pass --peak-flops")
+        )
         console.print(
-            f"MFU = tokens/s x {flops / 1e9:.3f} GFLOP/token / {args.peak_flops / 1e12:g} TFLOP/s peak; "
+            f"MFU = tokens/s x {flops / 1e9:.3f} GFLOP/token / {peak}; "
             f"{FLOPS_FORMULA}. Peak GPU memory of ours: n/a (dtrain does not report it).",
             highlight=False,
         )
@@ -525,7 +570,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per block; longest line (256)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step (8)")
     p.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (2e-4)")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="for all three (fp32)")
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="for all three (default: bf16 on a GPU that has it, fp16 on one that does not, fp32 on the CPU)",
+    )
     p.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="--precision bf16")
     p.add_argument(
         "--padding",
@@ -536,7 +586,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--nproc", type=int, default=1, help="dtrain processes (1); the baselines always run 1")
     p.add_argument("--only", type=parse_only, default=list(PIPELINES), help="comma-separated pipelines to run")
-    p.add_argument("--peak-flops", type=float, default=H100_BF16_DENSE_FLOPS, help="GPU peak FLOP/s for MFU")
+    p.add_argument(
+        "--peak-flops",
+        type=float,
+        default=None,
+        help="GPU peak FLOP/s for MFU (default: from the GPU's name and the precision)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: a 256 KB corpus, 6 steps, 2 of warm-up")
     p.add_argument("--rounds", type=int, default=1, help="run the pipelines in turn this many times (1)")
     p.add_argument("--json", type=Path, help="also write the figures to this file")
@@ -558,8 +613,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         baseline_worker(args)
         return
-    device = gpu_name() if torch.cuda.is_available() else "cpu"
-    flops, params = flops_per_token(args.model)
+    gpu = gpu_info() if torch.cuda.is_available() else None
+    device = gpu[0] if gpu else "cpu"
+    args.precision = args.precision or default_precision(gpu)
+    if gpu and not args.peak_flops:
+        args.peak_flops = peak_flops(device, args.precision)
+    flops, params = flops_per_token(args.model, args.seq_len)
     rounds: list[list[Result]] = []
     with tempfile.TemporaryDirectory(prefix="lora-throughput-") as tmp:
         corpus = args.data or str(write_corpus(Path(tmp) / "corpus.jsonl", QUICK_CORPUS_BYTES if args.quick else None))
@@ -571,7 +630,7 @@ def main(argv: list[str] | None = None) -> None:
                     work = Path(tmp) / f"{name}-{i + 1}"
                     work.mkdir()
                     ran = run_ours(args, corpus, work) if name == "ours" else run_baseline(name, args, corpus, work)
-                    if device != "cpu":
+                    if device != "cpu" and args.peak_flops:
                         ran.mfu = ran.tokens_per_s * flops / args.peak_flops
                     results.append(ran)
             rounds.append(results)

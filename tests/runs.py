@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -153,3 +154,63 @@ class RefusedResume:
     files_before: dict[str, bytes]
     files_after: dict[str, bytes]
     runs_json: list[dict]
+
+
+# -- a workload in this process ---------------------------------------------------------------------
+
+
+def in_process(main, argv: list[str], monkeypatch: pytest.MonkeyPatch, **launcher_env: str) -> int:
+    """Run a workload's `main(argv)` here (so a test can replace a function inside it) and return its
+    exit code: one process without torchrun, or with `launcher_env` the variables torchrun would set."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DTRAIN_OFFLINE", "1")
+    for name, value in launcher_env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    return int(e.value.code)
+
+
+def forced_fp16_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the workloads run in fp16 with loss scaling on this CPU, as `auto` does on a T4:
+    torch's CPU autocast takes float16 and GradScaler("cpu") scales and unscales on the CPU.
+    (--precision fp16 refuses a CPU, rightly, for users: it is slow there.)"""
+    import torch
+
+    from dtrain.common import workload
+    from dtrain.common.config import Precision
+    from dtrain.common.precision import PrecisionPolicy
+
+    policy = PrecisionPolicy(Precision.FP16, torch.device("cpu"), "fp16 forced on the CPU by a test")
+    monkeypatch.setattr(workload, "resolve_precision", lambda requested, device: policy)
+
+
+# -- jobs of a few processes without torchrun -------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:
+    """The variables torchrun gives a worker of a `world_size`-process job on this machine (gloo over
+    loopback); `extra` overrides them (LOCAL_RANK=0 on every rank makes each a node of its own)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo", **extra}  # fmt: skip
+
+
+def run_ranks(script: Path, ranks: list[dict[str, str]], *args: str, timeout: float = 120) -> list[dict]:
+    """`script` as one job of len(ranks) processes, rank i with `ranks[i]` added to its variables;
+    after checking that all exited 0, the JSON each printed last."""
+    port, procs = free_port(), []
+    for i, extra in enumerate(ranks):
+        env = {**os.environ, **rank_env(i, len(ranks), port, **extra)}
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]

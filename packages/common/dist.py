@@ -16,15 +16,17 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from dtrain.common.config import Backend
 from dtrain.common.env import LaunchEnv
-from dtrain.common.errors import UserError
+from dtrain.common.errors import ExitCode, UserError
+
+T = TypeVar("T")
 
 # How long ranks wait for each other at the end: rank 0 may still be writing the final model
 # (a merged LLM uploaded to a bucket takes minutes).
@@ -68,15 +70,19 @@ class Dist:
         return self.peers[self.rank] if self.peers else Peer(self.rank, self.env.hostname, os.getpid())
 
     def any(self, flag: bool) -> bool:
-        """True on every rank if it is True on any rank (e.g. 'a SIGTERM arrived somewhere').
+        """True on every rank if it is True on any rank (e.g. 'a SIGTERM arrived somewhere')."""
+        return self.max_of(1.0 if flag else 0.0)[0] > 0
+
+    def max_of(self, *values: float) -> list[float]:
+        """Each value's maximum over the ranks, on every rank: one blocking round trip.
 
         Runs on the CPU (gloo) group: a GPU tensor here would make the host wait for the GPU's
-        queue on every call, stalling the pipeline once per step."""
+        queue on every call, stalling the pipeline."""
         if self.backend is None:
-            return flag
-        t = torch.tensor([1 if flag else 0])
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._cpu_group)
-        return bool(t.item())
+        return t.tolist()
 
     def synchronize(self) -> float:
         """Wait for this rank's queued GPU work; returns time.perf_counter() after it. Timers that
@@ -107,6 +113,35 @@ class Dist:
         t = t.detach().clone()
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t / self.world_size
+
+    def broadcast_buffers(self, module: torch.nn.Module) -> None:
+        """Rank 0's buffers (BatchNorm statistics, say) into `module` on every rank."""
+        if self.backend is None:
+            return
+        for b in module.buffers():
+            dist.broadcast(b, src=0)
+
+    def node_first(self, tag: str, fn: Callable[[], T], timeout: float) -> T:
+        """`fn()` on every rank, on each node's local rank 0 before the node's other ranks: for work whose
+        first run fills a cache on the node (a model download) that the others then read.
+
+        Every rank waits for all the first runs at a barrier of its own `timeout`, not the collective
+        timeout, which one slow node's download would exceed. A UserError from a first run is raised on
+        every rank, so all exit with its message and code instead of waiting."""
+        if self.backend is None:
+            return fn()
+        result: Any = None
+        error: tuple[str, int] | None = None
+        if self.local_rank == 0:
+            try:
+                result = fn()
+            except UserError as e:
+                error = (str(e), int(e.exit_code))
+        self.barrier(tag, timeout=timeout)
+        errors = [e for e in self.gather(error) if e is not None]
+        if errors:
+            raise UserError(errors[0][0], exit_code=ExitCode(errors[0][1]))
+        return result if self.local_rank == 0 else fn()
 
     def barrier(self, tag: str, timeout: float | None = None) -> None:
         """Wait for every rank; if one does not arrive, fail naming it and its host.

@@ -25,8 +25,8 @@ from dtrain.common.checkpoint import Checkpointer
 from dtrain.common.dist import Dist, PeerFailure, distributed, is_comm_failure
 from dtrain.common.errors import ExitCode, Preempted, UserError
 from dtrain.common.metrics import Reporter, print_error, record_event
-from dtrain.common.precision import PrecisionPolicy, device_name, resolve_precision
-from dtrain.common.preempt import PreemptionWatch
+from dtrain.common.precision import PrecisionPolicy, device_name, resolve_precision, restore_scaler
+from dtrain.common.preempt import PreemptionPoll, PreemptionWatch
 from dtrain.common.rundir import RUN_ID_RE, config_diff, locate, new_run_id, read_json, run_location, write_json
 from dtrain.common.storage import Store, is_remote, open_store
 
@@ -45,10 +45,20 @@ class Context:
     precision: PrecisionPolicy
     ckpt: Checkpointer
     preempt: PreemptionWatch
+    poll: PreemptionPoll
 
-    def stop_requested(self) -> bool:
-        """True on every rank once any rank got SIGTERM. Call once per step."""
-        return self.d.any(self.preempt.requested)
+    def restore_scaler(self, scaler: Any, state: dict[str, Any], step: int) -> None:
+        """The checkpoint's loss-scaler state into `scaler`; a change of precision since the
+        checkpoint is kept in the run's metrics as an event (precision is not part of the model
+        config: the same weights train on a T4 in fp16 and on an L4 in bf16)."""
+        change = restore_scaler(scaler, state, self.precision.mode)
+        if change:
+            self.report.event(step, "precision", change, precision=self.precision.mode.value)
+
+    def stop_requested(self, step: int) -> bool:
+        """True on every rank, at the same step, once any rank got SIGTERM. Call after every step;
+        the ranks agree on it every few steps (PreemptionPoll)."""
+        return self.poll(step)
 
 
 def resolve_config(workload: str, cls: type[C], argv: Sequence[str] | None) -> tuple[C, Store | None]:
@@ -109,7 +119,7 @@ def _run(workload: str, cls: type, train: Callable[[Context], dict[str, Any]], a
             print_error(str(e))
         if e.exit_code == ExitCode.USAGE and resumed_run is None and _nothing_to_keep(d, run):
             # A fresh run stopped by bad input before any checkpoint: no debris. A runtime failure
-            # (a full disk) keeps its run, so the `--resume` the launcher suggests finds it.
+            # (a full disk, a NaN loss) keeps its run, so the `--resume` the launcher suggests finds it.
             run.delete("")
         else:
             _status(d, run, "failed", e.exit_code, ctx, error=str(e))
@@ -220,6 +230,7 @@ def _context(workload: str, cfg: Any, d: Dist, run: Store, run_id: str, *, resum
         tb_sync=run.child("tensorboard") if remote else None,
     )
     precision = resolve_precision(cfg.run.precision, d.device)
+    precision.configure()
     ifnames = "".join(f", {k}={v}" for k, v in d.env.socket_ifnames.items())
     report.info(f"[bold]{workload}[/] run [cyan]{run_id}[/] -> {run.url}")
     report.info(
@@ -240,7 +251,8 @@ def _context(workload: str, cfg: Any, d: Dist, run: Store, run_id: str, *, resum
     if not resuming:  # a resume says so, with its step, when the checkpoint is loaded
         hosts = sorted({p.host for p in d.peers}) or [d.env.hostname]
         report.event(0, "started", f"started on {d.world_size} process(es)", world_size=d.world_size, hosts=hosts)
-    return Context(workload, cfg, d, run, run_id, resuming, report, precision, ckpt, PreemptionWatch())
+    watch = PreemptionWatch()
+    return Context(workload, cfg, d, run, run_id, resuming, report, precision, ckpt, watch, PreemptionPoll(d, watch))
 
 
 def _curves(run: Store, report: Reporter) -> None:

@@ -19,14 +19,16 @@ a fresh allocation. Here, without changing any parameter, name or the saved adap
   no oneDNN, torch.mm.
 
 The attention itself stays transformers' own attention function (SDPA), with its masking, GQA and
-sliding-window handling. History on this machine (2 threads, tiny-llama, seq 256, batch 8): the
+sliding-window handling, except where grouped key/value heads would send SDPA to its math backend
+(on a T4, or in fp32 on a GPU): there the key/value heads are repeated first, so the memory-efficient
+kernel runs (`grouped_heads_fused`). History on this machine (2 threads, tiny-llama, seq 256, batch 8): the
 first fused linear saved ~4% a step; A's rows in the base GEMM took the rank-r products from about
 63 to 31 ms; folding B into W' and the norm and rotary passes took a further ~8%, and oneDNN
 another ~6% (docs/decisions.md, "CPU throughput"). Each is tested equal to the stock path's loss and gradients.
 
 Used only where exact: LoRA on an nn.Linear with one active, unmerged adapter, no dropout or DoRA;
 the linear and the norm in fp32 without autocast (the norm's stock path rounds through the input
-dtype); anything else runs the stock forward.
+dtype); the linear on the CPU only; anything else runs the stock forward.
 """
 
 from __future__ import annotations
@@ -157,6 +159,9 @@ def _fused_linear_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any)
         and not self.use_dora.get(name, False)
         and isinstance(self.lora_dropout[name], torch.nn.Identity)
         and not self.base_layer.weight.requires_grad
+        # The fusion exists for oneDNN. On a GPU, [W'; A] would be a second copy of every adapted
+        # weight, kept for the backward, to save products that cuBLAS runs as fast unfused.
+        and x.device.type == "cpu"
         and _exact_fp32(x, self.lora_A[name].weight, self.lora_B[name].weight, self.base_layer.weight)
     )
     if not usable:
@@ -193,20 +198,53 @@ def _fused_attention_forward(
     q, k = RopeFn.apply(q, cos, sin), RopeFn.apply(k, cos, sin)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx)
+    dropout = 0.0 if not self.training else self.attention_dropout
+    if (
+        self.config._attn_implementation == "sdpa"
+        and attention_mask is None
+        and past_key_values is None
+        and q.shape[1] != k.shape[1]
+        and not grouped_heads_fused(q, k, v, dropout)
+    ):
+        out, weights = _causal_sdpa_expanded(q, k, v, dropout, self.scaling), None
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._stock_attention)
     if hasattr(self, "sliding_window"):  # Qwen2 passes its window; Llama has none
         kwargs["sliding_window"] = self.sliding_window
-    out, weights = attend(
-        self,
-        q,
-        k,
-        v,
-        attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling,
-        **kwargs,
-    )
+    out, weights = attend(self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs)
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def grouped_heads_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> bool:
+    """Whether SDPA runs a fused kernel for causal attention over grouped key/value heads
+    (`enable_gqa=True`, no mask: what transformers passes for Qwen2's 14 query / 2 key-value heads).
+
+    On CUDA only the flash and cuDNN kernels take grouped heads; torch 2.13's memory-efficient kernel
+    requires equal head counts (`check_batch_size_and_num_heads_dense<false>` in sdp_utils.cpp).
+    Flash and cuDNN need fp16/bf16 on sm 8.0 or later, so on a T4 (sm 7.5), or in fp32 on any GPU,
+    such a call falls to the math backend: the full T x T score matrix for every head, memory
+    quadratic in the sequence length. torch's dispatch checks are asked directly, so a torch that
+    widens them is followed. On the CPU, torch's flash kernel takes grouped heads
+    (tests/lora/test_fused.py checks the choice)."""
+    if q.device.type != "cuda":
+        return True
+    from torch.backends.cuda import SDPAParams, can_use_cudnn_attention, can_use_flash_attention
+
+    params = SDPAParams(q, k, v, None, dropout, True, True)
+    return can_use_flash_attention(params) or can_use_cudnn_attention(params)
+
+
+def _causal_sdpa_expanded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, scale: float):
+    """Causal SDPA with each key/value head repeated for its group of query heads (transformers'
+    repeat_kv), so the memory-efficient kernel takes it: memory linear in the sequence length, for
+    K and V n_rep times larger. Returns (batch, tokens, heads, head_dim), as the attention functions do."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    n_rep = q.shape[1] // k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), dropout_p=dropout, scale=scale, is_causal=q.shape[2] > 1
+    )
+    return out.transpose(1, 2).contiguous()
 
 
 def _patch(module: torch.nn.Module, forward: Any) -> None:

@@ -18,7 +18,12 @@ from typing import Any
 import torch
 
 from dtrain.common import env as envmod
+from dtrain.common.dist import Dist
 from dtrain.common.errors import UserError
+
+# How long every rank waits for the first rank of each node to download a hub model: hours, not the
+# collective timeout's minutes (a 7B model is about 15 GB; a slow link takes most of an hour for it).
+MODEL_DOWNLOAD_TIMEOUT_S = 4 * 3600.0
 
 
 class ByteTokenizer:
@@ -133,33 +138,57 @@ def hf_token() -> str | None:
     return os.environ.get("HF_TOKEN") or None
 
 
-def load_base(name: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, Any]:
-    """The base causal LM (frozen later by peft) and its tokenizer."""
+def load_base(
+    name: str, dtype: torch.dtype, seed: int, device: torch.device | None = None, d: Dist | None = None
+) -> tuple[torch.nn.Module, Any]:
+    """The base causal LM (frozen later by peft) and its tokenizer, the model on `device` (where it was
+    made, if None).
+
+    A hub model is read from its files straight onto `device`, never whole in host memory first. With
+    `d`, each node's first rank downloads it while the node's other ranks wait (`Dist.node_first`, with
+    MODEL_DOWNLOAD_TIMEOUT_S), then they read the node's cache: one download per node, and a slow node
+    does not trip the other nodes' collective timeout. A preset is built on the CPU from the seed, then
+    moved: the CPU's generator gives the same weights on every machine, which every rank relies on, as
+    DDP does not broadcast frozen weights (`dtrain.lora.train.wrap_ddp`); a GPU's would not, since its
+    random kernels' launch shapes depend on the GPU model."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if name in PRESETS:
         p = PRESETS[name]
         config = AutoConfig.for_model(p.family, **p.kwargs)
-        with torch.random.fork_rng():
+        with torch.random.fork_rng(devices=[]):  # the CPU generator only: naming no GPU keeps torch off them
             torch.manual_seed(seed)  # the same base weights on every rank and every resume
             model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-        return model, ByteTokenizer()
+        return (model if device is None else model.to(device)), ByteTokenizer()
     source = "directory" if Path(name).is_dir() else "model id"
     # Without a route to the hub, don't let its client retry for most of a minute: use the cache only.
     local = source == "directory" or envmod.offline() or not hub_reachable()
-    kw: dict[str, Any] = {"token": hf_token(), "local_files_only": local}
-    try:
-        tok = AutoTokenizer.from_pretrained(name, **kw)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa", **kw)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if local and source == "model id":
-            first = "not in the local Hugging Face cache, and the hub is out of reach (offline)"
-        raise UserError(
-            f"cannot load {source} {name!r}: {first[:240].rstrip('.')}. Use a local model directory, a preset "
-            f"({', '.join(PRESETS)}), or a hub id on a machine with internet (HF_TOKEN for gated models)"
-        ) from None
-    return model, HFTokenizer(tok)
+
+    def load(cache_only: bool) -> tuple[torch.nn.Module, Any]:
+        kw: dict[str, Any] = {"token": hf_token(), "local_files_only": cache_only}
+        # transformers places the weights on the device as it reads them (through accelerate, a peft
+        # dependency); without a device map it would build the whole model in host memory first.
+        placement = {"device_map": {"": device}} if device is not None and device.type == "cuda" else {}
+        try:
+            tok = AutoTokenizer.from_pretrained(name, **kw)
+            model = AutoModelForCausalLM.from_pretrained(
+                name, dtype=dtype, attn_implementation="sdpa", **placement, **kw
+            )
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if cache_only and source == "model id":
+                first = "not in the local Hugging Face cache, and the hub is out of reach (offline)"
+            raise UserError(
+                f"cannot load {source} {name!r}: {first[:240].rstrip('.')}. Use a local model directory, a preset "
+                f"({', '.join(PRESETS)}), or a hub id on a machine with internet (HF_TOKEN for gated models)"
+            ) from None
+        if device is not None and not placement:
+            model = model.to(device)
+        return model, HFTokenizer(tok)
+
+    if local or d is None:
+        return load(cache_only=local)
+    return d.node_first("model download", lambda: load(cache_only=d.local_rank != 0), MODEL_DOWNLOAD_TIMEOUT_S)
 
 
 def default_targets(model: torch.nn.Module, name: str) -> list[str]:
@@ -204,6 +233,6 @@ def apply_lora(
         task_type="CAUSAL_LM",
         fan_in_fan_out=getattr(model.config, "model_type", "") == "gpt2",
     )
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):  # peft makes LoRA's matrices on the CPU, then moves them
         torch.manual_seed(seed + 1)  # peft draws LoRA's A matrices from the global generator
         return get_peft_model(model, cfg), targets

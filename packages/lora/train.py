@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtrain.common.config import Precision
 from dtrain.common.errors import Preempted, UserError
+from dtrain.common.precision import check_training
 from dtrain.common.sampling import epoch_order, rank_batch
 from dtrain.common.workload import Context, run_workload
 from dtrain.lora.config import LoraConfig
@@ -57,14 +58,15 @@ def evaluate(ctx: Context, model: torch.nn.Module, blocks: torch.Tensor, micro: 
     model.eval()
     n = blocks.shape[0] if not cap else min(blocks.shape[0], cap * micro * d.world_size)
     lo, hi = n * d.rank // d.world_size, n * (d.rank + 1) // d.world_size
-    totals = torch.zeros(2, dtype=torch.float64, device=d.device)  # loss * blocks, blocks
-    for i in range(lo, hi, micro):
-        x = blocks[i : min(i + micro, hi)].to(d.device)
+    # One copy of this rank's blocks to the device and one tensor for the sums, not one of each per
+    # batch: from the host's pageable memory each is a copy the CPU waits for.
+    mine = blocks[lo:hi].to(d.device)
+    totals = torch.tensor([0.0, hi - lo], dtype=torch.float64, device=d.device)  # loss * blocks, blocks
+    for i in range(0, hi - lo, micro):
+        x = mine[i : i + micro]
         with ctx.precision.autocast():
             loss = lm_loss(model, x)
-        totals += torch.stack(
-            [loss.double() * x.shape[0], torch.tensor(x.shape[0], dtype=torch.float64, device=d.device)]
-        )
+        totals[0] += loss.double() * x.shape[0]
     if d.backend is not None:
         torch.distributed.all_reduce(totals)
     model.train()
@@ -102,6 +104,20 @@ def train_step(
     return loss_sum, norm
 
 
+def wrap_ddp(model: torch.nn.Module, d: Any) -> DDP:
+    """DDP over the LoRA weights only. Its constructor broadcasts rank 0's parameters and buffers to
+    every rank; the frozen base weights are left out of that, as every rank reads them from the same
+    files or builds them from the same seed on the CPU (load_base), and a 7B model's would be 14 GB
+    through the network at start-up. The only buffers are rotary frequencies, constants computed alike
+    on every rank: broadcasting them at every forward (DDP's default) would be a collective a step for
+    nothing."""
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    DDP._set_params_and_buffers_to_ignore_for_model(model, frozen + [n for n, _ in model.named_buffers()])
+    # forward_sync_buffers is torch 2.13's name for the per-forward broadcast; the ignore list above keeps
+    # the buffers out of the constructor's broadcast, which that flag alone does not.
+    return DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None, forward_sync_buffers=False)
+
+
 def base_dtype(precision: Precision, device: torch.device) -> torch.dtype:
     """Frozen base weights in the compute dtype on GPU (half the memory and bandwidth); LoRA weights
     stay fp32 (peft's default), so the optimizer updates full-precision values."""
@@ -121,7 +137,7 @@ def train(ctx: Context) -> dict[str, Any]:
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
 
     texts = read_documents(cfg.data, cfg.text_field)
-    model, tokenizer = load_base(cfg.model, base_dtype(ctx.precision.mode, d.device), seed=cfg.run.seed)
+    model, tokenizer = load_base(cfg.model, base_dtype(ctx.precision.mode, d.device), cfg.run.seed, d.device, d)
     model, targets = apply_lora(
         model,
         cfg.model,
@@ -131,7 +147,7 @@ def train(ctx: Context) -> dict[str, Any]:
         targets=cfg.target_modules,
         seed=cfg.run.seed,
     )
-    model.to(d.device)
+    model.to(d.device)  # peft puts LoRA weights beside their base layer; this catches any it does not
     fused = fuse_model(model)  # exact regroupings of the stock arithmetic; the stock path where they do not apply
     vocab = getattr(model.config, "vocab_size", None)
     blocks: Blocks = load_blocks(
@@ -162,7 +178,7 @@ def train(ctx: Context) -> dict[str, Any]:
         )
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
     warmup = cfg.warmup_steps or max(1, int(DEFAULT_WARMUP_FRACTION * total))
-    ddp = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None) if d.backend else model
+    ddp = wrap_ddp(model, d) if d.backend else model
     params = [p for p in model.parameters() if p.requires_grad]
     # The fused kernel updates every LoRA tensor in one pass; torch's CPU default is a per-tensor loop of ~12 ops.
     fused_adam = d.device.type in ("cpu", "cuda")
@@ -179,9 +195,9 @@ def train(ctx: Context) -> dict[str, Any]:
         set_peft_model_state_dict(model, state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
         step = state["step"]
         report.rewind(step)
+        ctx.restore_scaler(scaler, state, step)
     else:
         torch.manual_seed(cfg.run.seed * 1_000_003 + d.rank + 1)  # per-rank dropout streams
 
@@ -192,11 +208,15 @@ def train(ctx: Context) -> dict[str, Any]:
             "optimizer": opt.state_dict(),
             "scheduler": sched.state_dict(),
             "scaler": scaler.state_dict(),
+            "precision": ctx.precision.mode.value,
             "data": {"epoch": epoch, "step_in_epoch": in_epoch},
         }
 
+    # Evaluation runs on the unwrapped model: through DDP a forward may start collectives (buffer
+    # broadcasts), and a rank with no evaluation blocks would skip them and meet its peers at the
+    # next all-reduce instead, a mismatch that hangs until the timeout.
     if step == 0:  # the starting point, so a run shows how far it moved
-        metrics.update(evaluate(ctx, ddp, blocks.eval, micro, cfg.eval_batches))
+        metrics.update(evaluate(ctx, model, blocks.eval, micro, cfg.eval_batches))
         report.log(0, **{k: metrics[k] for k in ("eval_loss", "eval_perplexity")})
         report.info(f"step 0: eval loss {metrics['eval_loss']:.4f}, perplexity {metrics['eval_perplexity']:.3f}")
     report.start_progress(total, step, "train")
@@ -229,20 +249,21 @@ def train(ctx: Context) -> dict[str, Any]:
                 samples_per_s=tokens / elapsed / cfg.seq_len,
             )
             report.advance(step, f"loss {mean_loss:.4f}")
+            check_training(mean_loss, scaler, ctx.precision.mode, step)  # the row above stays, for the record
             metrics["loss"] = mean_loss
             window.zero_()
             window_steps, window_start = 0, time.perf_counter()
 
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == total:
             paused_at = d.synchronize()  # evaluation is not training throughput
-            metrics.update(evaluate(ctx, ddp, blocks.eval, micro, cfg.eval_batches))
+            metrics.update(evaluate(ctx, model, blocks.eval, micro, cfg.eval_batches))
             report.log(step, **{k: metrics[k] for k in ("eval_loss", "eval_perplexity")})
             report.info(
                 f"step {step}/{total}: eval loss {metrics['eval_loss']:.4f}, "
                 f"perplexity {metrics['eval_perplexity']:.3f}"
             )
             window_start += time.perf_counter() - paused_at
-        stop = ctx.stop_requested()
+        stop = ctx.stop_requested(step)
         ctx.ckpt.save(step, snapshot, epoch_end=in_epoch + 1 == steps_per_epoch, last=stop or step == total)
         if stop:
             raise Preempted()

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtrain.common.errors import Preempted, UserError
+from dtrain.common.precision import check_training
 from dtrain.common.sampling import epoch_order, rank_batch
 from dtrain.common.workload import Context, run_workload
 from dtrain.mnist.config import MnistConfig
@@ -82,23 +83,38 @@ def train_step(
     return loss.detach()
 
 
+def make_optimizer(net: torch.nn.Module, cfg: MnistConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over `net`. On a GPU, the fused kernel takes GradScaler's scale and overflow flag as
+    tensors; the default one has GradScaler read the flag with .item(), a host-GPU sync at every fp16
+    step (benchmarks/gpu_smoke.py checks that none is left)."""
+    return torch.optim.AdamW(
+        net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda" or None
+    )
+
+
 @torch.no_grad()
-def evaluate(ctx: Context, model: torch.nn.Module, data: Split, norm: Normalize, batch: int) -> dict[str, float]:
-    """Accuracy and loss on `data`, each rank taking a contiguous shard, summed across ranks."""
-    model.eval()
+def evaluate(ctx: Context, net: torch.nn.Module, data: Split, norm: Normalize, batch: int) -> dict[str, float]:
+    """Accuracy and loss of `net` (the unwrapped model, not DDP) on `data`, each rank taking a
+    contiguous shard, summed across ranks.
+
+    Not through DDP: its forward broadcasts the BatchNorm statistics, and a rank whose shard is empty
+    (fewer images than ranks) would skip that collective and hang its peers. Every rank takes rank
+    0's statistics here instead, as DDP would have, so the figures are those of the saved model."""
     d = ctx.d
+    d.broadcast_buffers(net)
+    net.eval()
     n = data.labels.shape[0]
     lo, hi = n * d.rank // d.world_size, n * (d.rank + 1) // d.world_size
     totals = torch.zeros(2, dtype=torch.float64, device=d.device)  # correct, loss sum
     for i in range(lo, hi, batch):
         x, y = norm(data.images[i : min(i + batch, hi)]), data.labels[i : min(i + batch, hi)]
         with ctx.precision.autocast():
-            logits = model(x)
+            logits = net(x)
         totals[0] += (logits.argmax(1) == y).sum()
         totals[1] += F.cross_entropy(logits.float(), y, reduction="sum")
     if d.backend is not None:
         torch.distributed.all_reduce(totals)
-    model.train()
+    net.train()
     return {"eval_accuracy": totals[0].item() / n, "eval_loss": totals[1].item() / n}
 
 
@@ -122,10 +138,13 @@ def train(ctx: Context) -> dict[str, Any]:
         )
     total = cfg.epochs * steps_per_epoch
 
+    if d.device.type == "cuda":
+        # Every training batch has the same shape: cuDNN's autotuned convolution choice is made once.
+        torch.backends.cudnn.benchmark = True
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     net = MnistNet(cfg.width).to(d.device, memory_format=torch.channels_last)
     model = DDP(net, device_ids=[d.device.index] if d.device.type == "cuda" else None) if d.backend else net
-    opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    opt = make_optimizer(net, cfg, d.device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total))
     scaler = ctx.precision.make_scaler()
 
@@ -135,9 +154,9 @@ def train(ctx: Context) -> dict[str, Any]:
         net.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
         step, best = state["step"], state.get("best_accuracy", 0.0)
         report.rewind(step)
+        ctx.restore_scaler(scaler, state, step)
         pos = state["data"]
         if (pos["epoch"], pos["step_in_epoch"]) != divmod(step, steps_per_epoch):
             raise UserError(
@@ -155,6 +174,7 @@ def train(ctx: Context) -> dict[str, Any]:
             "optimizer": opt.state_dict(),
             "scheduler": sched.state_dict(),
             "scaler": scaler.state_dict(),
+            "precision": ctx.precision.mode.value,
             "best_accuracy": best,
             "data": {"epoch": epoch, "step_in_epoch": in_epoch},
         }
@@ -187,6 +207,7 @@ def train(ctx: Context) -> dict[str, Any]:
                 samples_per_s=window_steps * cfg.batch_size / elapsed,
             )
             report.advance(step, f"loss {mean_loss:.4f}")
+            check_training(mean_loss, scaler, ctx.precision.mode, step)  # the row above stays, for the record
             metrics["loss"] = mean_loss
             window_loss.zero_()
             window_start, window_steps = time.perf_counter(), 0
@@ -194,7 +215,7 @@ def train(ctx: Context) -> dict[str, Any]:
         epoch_end = step % steps_per_epoch == 0
         if epoch_end:
             paused_at = d.synchronize()  # evaluation is not training throughput
-            metrics.update(evaluate(ctx, model, eval_data, norm, cfg.eval_batch_size))
+            metrics.update(evaluate(ctx, net, eval_data, norm, cfg.eval_batch_size))
             best = max(best, metrics["eval_accuracy"])
             report.log(step, epoch=step // steps_per_epoch, **{k: metrics[k] for k in ("eval_accuracy", "eval_loss")})
             report.info(
@@ -202,7 +223,7 @@ def train(ctx: Context) -> dict[str, Any]:
                 f"{metrics['eval_accuracy']:.4f}, loss {metrics['eval_loss']:.4f}"
             )
             window_start += time.perf_counter() - paused_at
-        stop = ctx.stop_requested()
+        stop = ctx.stop_requested(step)
         ctx.ckpt.save(step, snapshot, epoch_end=epoch_end, last=stop or step == total)
         if stop:
             raise Preempted()

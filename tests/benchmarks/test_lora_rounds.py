@@ -3,23 +3,14 @@ the median of the per-round ratios (neighbours in time), not a ratio of two unre
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
+import benchmark_scripts
 import pytest
 
 pytest.importorskip("peft", reason="needs the lora extra: pip install -e .[lora]")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "lora_throughput.py"
-
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("lora_throughput", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_scripts.load_script("lora_throughput")
 
 
 def result(m, name: str, tokens_per_s: float):

@@ -62,6 +62,8 @@ def test_quick_mode_reports_all_three_pipelines(tmp_path: Path) -> None:
     assert r["ours_over_packed"] == pytest.approx(
         pipes["ours"]["tokens_per_s"] / pipes["trainer-packed"]["tokens_per_s"]
     )
-    assert figures["flops_per_token"] == 4 * figures["parameters"]["non_embedding"]
+    params = figures["parameters"]
+    assert figures["flops_per_token"] == 4 * params["matmul_weights"] + params["attention_flops_per_token"]
+    assert figures["settings"]["precision"] == "fp32"  # the default on a CPU
     assert "ours / trainer-packed = " in proc.stdout
     assert "trainer-packed / trainer-padded = " in proc.stdout

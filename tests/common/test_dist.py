@@ -8,6 +8,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from runs import free_port, rank_env, run_ranks
 
 from dtrain.common.config import Backend
 from dtrain.common.dist import distributed, pick_backend
@@ -15,24 +16,9 @@ from dtrain.common.env import LaunchEnv
 from dtrain.common.errors import UserError
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def one_rank(monkeypatch):
-    env = {
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "GLOO_SOCKET_IFNAME": "lo",
-    }
-    for k, v in env.items():
+    for k, v in rank_env(0, 1, free_port()).items():
         monkeypatch.setenv(k, v)
 
 
@@ -89,3 +75,57 @@ def test_launch_env_reads_torchrun_variables():
     assert (e.master_addr, e.master_port, e.run_id, e.under_launcher) == ("10.0.0.2", 29400, "mnist-x", True)
     assert e.socket_ifnames == {"NCCL_SOCKET_IFNAME": "ens4"}
     assert not LaunchEnv.read({}).under_launcher
+
+
+NODE_FIRST_SCRIPT = """
+import json, os, sys, time
+from pathlib import Path
+from dtrain.common.dist import distributed
+from dtrain.common.errors import UserError
+
+cache = Path(sys.argv[1]) / os.environ["NODE"]  # one cache per node, as HF_HOME is
+
+def fetch():
+    if os.environ["LOCAL_RANK"] == "0":  # the node's first rank downloads, slowly
+        time.sleep(float(os.environ["DOWNLOAD_S"]))
+        if os.environ.get("FAIL"):
+            raise UserError("model 'x/y' is not on the hub")
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / "weights").write_text(f"written by rank {os.environ['RANK']}")
+    return (cache / "weights").read_text()  # the others only read the node's cache
+
+try:
+    with distributed(timeout_s=3) as d:  # a 3 s collective timeout
+        got = d.node_first("model download", fetch, timeout=60)
+        d.barrier("after")  # and the group still works
+    print(json.dumps({"got": got}))
+except UserError as e:
+    print(json.dumps({"error": str(e), "code": int(e.exit_code)}))
+"""
+
+
+def node_first_job(tmp_path, ranks: list[dict[str, str]]) -> list[dict]:
+    script = tmp_path / "job.py"
+    script.write_text(NODE_FIRST_SCRIPT)
+    return run_ranks(script, ranks, str(tmp_path / "cache"))
+
+
+def test_a_slow_download_on_one_node_does_not_time_the_others_out(tmp_path):
+    """Two nodes of one rank each: node b's download takes 5 s, node a's none; node a waits past the
+    3 s collective timeout, at the download's own barrier (with a 3 s one there, this job fails), and
+    both read their own node's files."""
+    got = node_first_job(tmp_path, [dict(NODE="a", LOCAL_RANK="0", DOWNLOAD_S="0"),
+                                    dict(NODE="b", LOCAL_RANK="0", DOWNLOAD_S="5")])  # fmt: skip
+    assert got == [{"got": "written by rank 0"}, {"got": "written by rank 1"}]
+
+
+def test_the_other_ranks_of_a_node_read_what_its_first_rank_downloaded(tmp_path):
+    got = node_first_job(tmp_path, [dict(NODE="a", LOCAL_RANK="0", DOWNLOAD_S="2"),
+                                    dict(NODE="a", LOCAL_RANK="1", DOWNLOAD_S="0")])  # fmt: skip
+    assert got == [{"got": "written by rank 0"}] * 2  # rank 1 downloaded nothing, and waited for it
+
+
+def test_a_failed_download_fails_every_rank_with_its_message(tmp_path):
+    got = node_first_job(tmp_path, [dict(NODE="a", LOCAL_RANK="0", DOWNLOAD_S="0"),
+                                    dict(NODE="b", LOCAL_RANK="0", DOWNLOAD_S="0", FAIL="1")])  # fmt: skip
+    assert got == [{"error": "model 'x/y' is not on the hub", "code": 2}] * 2

@@ -7,7 +7,7 @@ import torch
 
 from dtrain.common.config import Precision
 from dtrain.common.errors import UserError
-from dtrain.common.precision import resolve_precision
+from dtrain.common.precision import PrecisionPolicy, resolve_precision
 
 CPU = torch.device("cpu")
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -44,3 +44,21 @@ def test_auto_on_gpu_is_bf16_where_supported_else_fp16_with_a_scaler():
         assert p.mode == Precision.FP16 and p.make_scaler().is_enabled()
     with p.autocast():
         assert (torch.ones(2, 2, device=dev) @ torch.ones(2, 2, device=dev)).dtype == p.dtype
+
+
+def test_on_cuda_fp32_matmuls_run_in_tf32_and_the_cpu_stays_ieee():
+    """Set on a torch without CUDA, the flag is still the one CUDA's matmuls read; a GPU shows the
+    speed (benchmarks/gpu_smoke.py)."""
+    before = (torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision)
+    try:
+        cpu = PrecisionPolicy(Precision.FP32, CPU, "auto: CPU")
+        cpu.configure()
+        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision) == before
+        assert "TF32" not in cpu.describe()
+        cuda = PrecisionPolicy(Precision.FP32, torch.device("cuda", 0), "forced by --precision")
+        cuda.configure()
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.backends.mkldnn.matmul.fp32_precision == before[1]  # CPU products untouched
+        assert cuda.describe() == "fp32 (forced by --precision; fp32 matmuls in TF32)"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before[0]

@@ -149,3 +149,65 @@ def test_linear_equals_mm_with_strided_operands_through_onednn_and_without(monke
     torch.testing.assert_close(linear(x, w.t().contiguous().t()).double(), want, rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(fused_module, "_ONEDNN", False)
     torch.testing.assert_close(linear(x, w).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_linear_runs_on_the_cpu_only():
+    """The fused linear exists for oneDNN. On a GPU its [W'; A] would be a second copy of every adapted
+    weight, kept for the backward, for a product cuBLAS runs as fast unfused. A meta tensor stands in
+    for a CUDA one here: on any device but the CPU the layer takes peft's own forward."""
+    m = lora_model("tiny-llama")
+    assert fuse_lora_linears(m) == 4 * 7
+    layer = m.base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 8, 256, requires_grad=True)
+    assert "LoraLinearFnBackward" in graph_nodes(layer(x).sum())
+    layer.to("meta")
+    y = layer(x.detach().to("meta").requires_grad_())
+    assert y.device.type == "meta" and y.shape == (2, 8, 256)
+    assert "LoraLinearFnBackward" not in graph_nodes(y.sum())
+
+
+def sdpa_backends(monkeypatch) -> list[tuple[str, int, int]]:
+    """Record, for every SDPA call from here on, the backend torch's dispatcher picks for it and the
+    query and key head counts."""
+    from torch.nn.attention import SDPBackend
+
+    stock, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        choice = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        calls.append((SDPBackend(choice).name, q.shape[1], k.shape[1]))
+        return stock(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_grouped_query_attention_on_the_cpu_runs_a_fused_kernel(monkeypatch):
+    """Qwen2-style heads (4 query, 2 key/value) with no mask: transformers passes enable_gqa, and on the
+    CPU torch's flash kernel takes it. (On a GPU only flash and cuDNN take grouped heads, and neither
+    runs in fp32 or on a T4: benchmarks/gpu_smoke.py checks the choice there.)"""
+    fused = qwen2_model()
+    fuse_model(fused)
+    calls = sdpa_backends(monkeypatch)
+    x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    fused(input_ids=x, labels=x, use_cache=False).loss.backward()
+    assert calls == [("FLASH_ATTENTION", 4, 2)] * 2  # both layers, grouped heads, not the math backend
+    assert fused_module.grouped_heads_fused(
+        torch.ones(1, 4, 8, 16), torch.ones(1, 2, 8, 16), torch.ones(1, 2, 8, 16), 0.0
+    )
+
+
+def test_where_grouped_heads_are_not_fused_keys_and_values_are_repeated_exactly(monkeypatch):
+    """The path a T4 or fp32 on a GPU takes, forced here: the key/value heads repeated to the query
+    heads before SDPA, the same loss and gradients as stock, and a fused kernel instead of math."""
+    stock, fused = qwen2_model(), qwen2_model()
+    fuse_model(fused)
+    monkeypatch.setattr(fused_module, "grouped_heads_fused", lambda q, k, v, dropout: False)
+    calls = sdpa_backends(monkeypatch)
+    x = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    l_stock, _ = loss_and_grads(stock, x)
+    del calls[:]
+    l_fused, _ = loss_and_grads(fused, x)
+    assert calls == [("FLASH_ATTENTION", 4, 4)] * 2  # on a GPU: the memory-efficient kernel (equal heads)
+    assert l_fused == pytest.approx(l_stock, rel=1e-6)
+    assert_same(stock, fused, x)
