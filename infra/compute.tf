@@ -73,7 +73,7 @@ resource "google_compute_instance" "node" {
     "enable-oslogin"         = "FALSE"
     # The startup script reports readiness as the guest attribute dtrain/ready.
     "enable-guest-attributes" = "TRUE"
-    "startup-script"          = file("${path.module}/../docker/node-startup.sh")
+    "startup-script"          = file("${path.module}/node-startup.sh")
     "dtrain-ssh-user"         = var.ssh_user
     "dtrain-gpus"             = tostring(module.plan.gpus)
     "dtrain-registry-host"    = local.registry_host

@@ -79,7 +79,7 @@ def standin_infra(
 
             # A node: the VM in the Compute API (created and deleted as the provider would), what GCE's
             # guest agent does with the ssh-keys metadata (authorize the key), and what
-            # docker/node-startup.sh signals when it is done.
+            # infra/node-startup.sh signals when it is done.
             resource "terraform_data" "node" {{
               for_each = toset(module.plan.node_names)
               input = {{

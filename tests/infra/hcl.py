@@ -15,7 +15,7 @@ import hcl2
 REPO = Path(__file__).resolve().parents[2]
 INFRA = REPO / "infra"
 PLAN = INFRA / "modules" / "plan"
-STARTUP_SCRIPT = REPO / "docker" / "node-startup.sh"
+STARTUP_SCRIPT = INFRA / "node-startup.sh"
 
 
 def unquote(s: str) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .hcl import INFRA, PLAN, REPO, Module, block
+from .hcl import INFRA, PLAN, Module, block
 
 # Resource types of the root module that take labels, and those that do not (GCP has no labels on
 # networks, subnets, firewalls, routers, service accounts or IAM bindings). A new resource type must
@@ -149,8 +149,8 @@ def check_ssh_metadata(root: Module, plan: Module) -> None:
     assert metadata["ssh-keys"] == "${var.ssh_user}:${trimspace(var.ssh_public_key)}"
     assert metadata["enable-oslogin"] == "FALSE"
     assert metadata["enable-guest-attributes"] == "TRUE"
-    assert metadata["startup-script"] == '${file("${path.module}/../docker/node-startup.sh")}'
-    assert (INFRA / "../docker/node-startup.sh").resolve().is_file()
+    assert metadata["startup-script"] == '${file("${path.module}/node-startup.sh")}'
+    assert (root.directory / "node-startup.sh").is_file(), "infra/ must hold its startup script (self-contained)"
 
 
 def check_shielded_vm(root: Module, plan: Module) -> None:
@@ -277,6 +277,12 @@ MUTATIONS = [
     ("compute.tf", '"block-project-ssh-keys" = true', '"block-project-ssh-keys" = false', check_ssh_metadata),
     (
         "compute.tf",
+        'file("${path.module}/node-startup.sh")',
+        'file("${path.module}/../docker/node-startup.sh")',
+        check_ssh_metadata,
+    ),
+    (
+        "compute.tf",
         "email  = google_service_account.node.email",
         'email  = "123-compute@developer.gserviceaccount.com"',
         check_service_account,
@@ -300,7 +306,6 @@ MUTATIONS = [
 def test_checks_catch_mutations(tmp_path: Path, plan: Module, filename: str, old: str, new: str, check):
     copy = tmp_path / "infra"
     shutil.copytree(INFRA, copy, ignore=shutil.ignore_patterns(".terraform", "modules"))
-    shutil.copytree(REPO / "docker", tmp_path / "docker")
     path = copy / filename
     text = path.read_text()
     assert old in text, f"mutation target {old!r} not found in {filename}; update the test"
