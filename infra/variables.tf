@@ -263,6 +263,12 @@ variable "force_destroy" {
   description = "Let `terraform destroy` delete the checkpoint bucket while it still holds objects. Off by default: checkpoints outlive the cluster unless you opt in."
 }
 
+variable "adopt_bucket" {
+  type        = bool
+  default     = false
+  description = "The checkpoint bucket already exists (`dtrain down` keeps it, taking it out of the state): import it instead of creating it. dtrain up sets it when it finds the bucket labelled with this cluster's name."
+}
+
 variable "observability_roles" {
   type        = bool
   default     = false

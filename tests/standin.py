@@ -43,6 +43,35 @@ if op.get("status") != "DONE" or op.get("error"):
 """
 
 
+# What the google provider does with the google_storage_bucket, against DTRAIN_GCP_STORAGE_ENDPOINT
+# (gcp-storage-emulator): `create` makes it and labels it (a create of a name that exists fails with
+# GCS's own 409, "you already own this bucket"), `destroy` deletes it, refusing a bucket that still
+# holds objects unless force_destroy (the provider's rule). Standard library only.
+GCS_SCRIPT = """
+import json, os, sys, urllib.error, urllib.request
+verb, project, name = sys.argv[1:4]
+base = os.environ["DTRAIN_GCP_STORAGE_ENDPOINT"].rstrip("/") + "/storage/v1/b"
+def call(method, url, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        text = urllib.request.urlopen(req, timeout=30).read()
+    except urllib.error.HTTPError as e:
+        sys.exit(f"googleapi: Error {e.code}: {json.loads(e.read())['error']['message']}")
+    return json.loads(text) if text else {}
+if verb == "create":
+    call("POST", f"{base}?project={project}", {"name": name})
+    call("PATCH", f"{base}/{name}", {"labels": json.loads(sys.argv[4])})  # the emulator keeps labels set so
+else:
+    force = sys.argv[4] == "true"
+    if call("GET", f"{base}/{name}/o").get("items") and not force:
+        sys.exit(f"Error trying to delete bucket {name} containing objects without `force_destroy` set to true")
+    for item in call("GET", f"{base}/{name}/o").get("items", []):
+        call("DELETE", f"{base}/{name}/o/{item['name']}")
+    call("DELETE", f"{base}/{name}")
+"""
+
+
 def standin_infra(
     dest: Path,
     *,
@@ -59,11 +88,15 @@ def standin_infra(
     and the `cluster` output naming `addresses`."""
     dest.mkdir()
     (dest / "gce.py").write_text(GCE_SCRIPT)
+    (dest / "gcs.py").write_text(GCS_SCRIPT)
     shutil.copy(REPO / "infra" / "variables.tf", dest / "variables.tf")
     (dest / "modules").symlink_to(REPO / "infra" / "modules")
     from dtrain.control.gcp.terraform import _block
 
     plan = _block(REPO / "infra" / "main.tf", 'module "plan"')
+    # infra/'s own import block, aimed at the stand-in's bucket: adopting a kept bucket is its logic.
+    adopt = _block(REPO / "infra" / "storage.tf", "import {")
+    adopt = adopt.replace("google_storage_bucket.checkpoints", "terraform_data.checkpoints")
     addrs = json.dumps(addresses)
     dirs = json.dumps(workdirs)
     (dest / "versions.tf").write_text('terraform {\n  required_version = ">= 1.9"\n  backend "gcs" {}\n}\n')
@@ -117,6 +150,30 @@ def standin_infra(
               }}
             }}
 
+            # The checkpoint bucket (infra/storage.tf), in the storage API dtrain talks to.
+            resource "terraform_data" "checkpoints" {{
+              input = {{
+                gcs     = "${{path.module}}/gcs.py"
+                project = var.project_id
+                name    = module.plan.bucket_name
+                force   = var.force_destroy
+              }}
+              provisioner "local-exec" {{
+                command     = "{sys.executable} $GCS create $PROJECT $NAME \\"$LABELS\\""
+                environment = {{
+                  GCS     = "${{path.module}}/gcs.py"
+                  PROJECT = var.project_id
+                  NAME    = module.plan.bucket_name
+                  LABELS  = jsonencode(module.plan.labels)
+                }}
+              }}
+              provisioner "local-exec" {{
+                when    = destroy
+                command = join(" ", ["{sys.executable}", self.input.gcs, "destroy", self.input.project,
+                                     self.input.name, tostring(self.input.force)])
+              }}
+            }}
+
             output "cluster" {{
               value = {{
                 name     = var.cluster_name
@@ -139,10 +196,13 @@ def standin_infra(
                   interface    = "eth0"
                 }}]
               }}
-              depends_on = [terraform_data.node]
+              depends_on = [terraform_data.node, terraform_data.checkpoints]
             }}
             """
         )
+        + "\n"
+        + adopt
+        + "\n"
         + extra_hcl
     )
     return dest

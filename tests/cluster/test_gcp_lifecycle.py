@@ -48,7 +48,7 @@ PROJECT, REGION, ZONE = "dtrain-test", "us-central1", "us-central1-a"
 def world() -> ComputeWorld:
     w = ComputeWorld(PROJECT)
     w.add_region(REGION, [f"{REGION}-{z}" for z in "abcf"])
-    for metric, limit in [("CPUS", 24), ("INSTANCES", 100), ("IN_USE_ADDRESSES", 8)]:
+    for metric, limit in [("CPUS", 24), ("INSTANCES", 100), ("IN_USE_ADDRESSES", 8), ("SSD_TOTAL_GB", 500)]:
         w.set_quota(metric, limit, 0, region=REGION)
     w.set_quota("GPUS_ALL_REGIONS", 0, 0)
     return w
@@ -84,14 +84,12 @@ def setup(testbed: Testbed, world: ComputeWorld, tmp_path_factory: pytest.TempPa
             """
         )
     )
-    # The checkpoint bucket (infra/storage.tf makes it; the stand-in has no google provider).
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
 
     client = storage.Client(
         project=PROJECT, credentials=AnonymousCredentials(), client_options={"api_endpoint": emulator}
     )
-    client.create_bucket(f"{PROJECT}-dtrain-demo")
     saved = os.environ.get("STORAGE_EMULATOR_HOST")
     os.environ["STORAGE_EMULATOR_HOST"] = emulator  # this process reads the runs' files too
     with world.serve() as server:
@@ -100,6 +98,7 @@ def setup(testbed: Testbed, world: ComputeWorld, tmp_path_factory: pytest.TempPa
             "DTRAIN_OFFLINE": "1",
             "DTRAIN_INFRA_DIR": str(infra),
             "DTRAIN_GCP_COMPUTE_ENDPOINT": server.endpoint,
+            "DTRAIN_GCP_API_ENDPOINT": server.endpoint,
             "DTRAIN_GCP_STORAGE_ENDPOINT": emulator,
             "STORAGE_EMULATOR_HOST": emulator,
             "XDG_CONFIG_HOME": str(cwd / "config"),
@@ -185,11 +184,15 @@ def test_up_train_status_down(setup: dict, testbed: Testbed) -> None:
     gone = dtrain(setup, "train", "mnist", "--cluster", "demo")
     assert gone.returncode == 2 and "is not up" in gone.stderr
 
-    # --- down --delete-data: the checkpoints go too (infra/ labels its bucket; the emulator keeps
-    # labels set by a patch), and nothing of the cluster is left in the project.
-    data = client.get_bucket(f"{PROJECT}-dtrain-demo")
-    data.labels = {"dtrain-cluster": "demo"}
-    data.patch()
+    # --- up again: the kept bucket (out of Terraform's state since down) is adopted, not created
+    # again (GCS would answer 409), and the run's checkpoints are still there.
+    r = dtrain(setup, "up", "--cluster", "demo", "--yes")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"checkpoint bucket gs://{PROJECT}-dtrain-demo: kept by an earlier dtrain down, adopted" in r.stdout
+    kept = read_json(open_store(f"gs://{PROJECT}-dtrain-demo/runs/{runs[0]}"), "status.json")
+    assert kept["state"] == "completed", kept
+
+    # --- down --delete-data: the checkpoints go too, and nothing of the cluster is left in the project.
     r = dtrain(setup, "down", "--cluster", "demo", "--yes", "--delete-data")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "emptied gs://dtrain-test-dtrain-demo" in r.stdout

@@ -37,7 +37,7 @@ TAG = "${module.plan.network_tag}"
 IAP_RANGE = "35.235.240.0/20"
 NODE_KEYS = {"name", "role", "internal_ip", "external_ip", "gpus", "accelerator", "machine_type"}
 RECORD_KEYS = {"name", "project", "region", "zone", "bucket", "registry", "ssh_user", "nodes"}
-ROOT_ONLY_VARIABLES = {"force_destroy", "observability_roles"}
+ROOT_ONLY_VARIABLES = {"force_destroy", "observability_roles", "adopt_bucket"}
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +174,15 @@ def check_bucket(root: Module, plan: Module) -> None:
     assert len(noncurrent) == 1 and block(noncurrent[0], "action") == {"type": "Delete"}
     assert block(noncurrent[0], "condition")["days_since_noncurrent_time"] == "${var.bucket_lifecycle_days}"
     assert bucket["name"] == "${module.plan.bucket_name}"
+    # A bucket `dtrain down` kept is imported (adopted) when adopt_bucket, never created again.
+    assert root.imports == [
+        {
+            "for_each": "${var.adopt_bucket ? toset([module.plan.bucket_name]) : toset([])}",
+            "to": "${google_storage_bucket.checkpoints}",
+            "id": "${each.value}",
+        }
+    ], root.imports
+    assert root.variables["adopt_bucket"]["default"] is False
 
 
 def check_network(root: Module, plan: Module) -> None:
@@ -292,6 +301,12 @@ MUTATIONS = [
         "on_host_maintenance         = module.plan",
         'on_host_maintenance         = "MIGRATE"\n    x = module.plan',
         check_gpu_scheduling,
+    ),
+    (
+        "storage.tf",
+        "to       = google_storage_bucket.checkpoints",
+        "to       = google_storage_bucket.other",
+        check_bucket,
     ),
     (
         "storage.tf",

@@ -45,6 +45,23 @@ RETRY_DEADLINE_S = 30.0
 
 REGION_RE = re.compile(r"[a-z]+(?:-[a-z0-9]+)+")
 
+# Google REST APIs dtrain calls without a client library (a few calls each; Gcp.rest), by name. With
+# DTRAIN_GCP_API_ENDPOINT every one of them is asked at that one base URL instead (the tests' fake).
+REST_APIS = {
+    "serviceusage": "https://serviceusage.googleapis.com",
+    "cloudresourcemanager": "https://cloudresourcemanager.googleapis.com",
+    "oslogin": "https://oslogin.googleapis.com",
+    "openidconnect": "https://openidconnect.googleapis.com",
+}
+# What every cluster needs enabled before anything is created (infra/: VMs and networks, the
+# checkpoint bucket, the image repository, the nodes' service account and its grants).
+REQUIRED_SERVICES = (
+    "compute.googleapis.com",
+    "storage.googleapis.com",
+    "artifactregistry.googleapis.com",
+    "iam.googleapis.com",
+)
+
 # Accelerator type (as in --accelerator / the zone's acceleratorTypes) -> regional quota metric.
 # The spot variant is the same metric with PREEMPTIBLE_ in front.
 ACCELERATOR_QUOTA = {
@@ -58,6 +75,14 @@ ACCELERATOR_QUOTA = {
     "nvidia-h100-80gb": "NVIDIA_H100_GPUS",
     "nvidia-h100-mega-80gb": "NVIDIA_H100_MEGA_GPUS",
 }
+
+# Machine series whose vCPUs count against the regional CPUS quota. Every other series has a vCPU
+# quota of its own, <SERIES>_CPUS (G2 machine types: G2_CPUS; N2: N2_CPUS). docs/decisions.md,
+# "Preflight: the quotas a cluster draws on", cites Google's pages.
+SHARED_CPU_QUOTA_SERIES = ("e2", "n1", "f1", "g1")
+# pd-balanced (dtrain's boot disks) and pd-ssd count against SSD_TOTAL_GB; pd-standard against
+# DISKS_TOTAL_GB (same decision).
+DISK_QUOTA = {"pd-balanced": "SSD_TOTAL_GB", "pd-ssd": "SSD_TOTAL_GB", "pd-standard": "DISKS_TOTAL_GB"}
 
 # IAM roles to suggest for a missing permission, by the permission's prefix (first match wins).
 ROLE_FOR_PERMISSION = (
@@ -91,11 +116,13 @@ class Gcp:
         *,
         endpoint: str | None = None,
         storage_endpoint: str | None = None,
+        api_endpoint: str | None = None,
     ) -> None:
         self.project = project
         self.credentials = credentials
         self.endpoint = endpoint
         self.storage_endpoint = storage_endpoint
+        self.api_endpoint = api_endpoint
         self._clients: dict[str, Any] = {}
 
     @classmethod
@@ -105,6 +132,7 @@ class Gcp:
         *,
         endpoint: str | None = None,
         storage_endpoint: str | None = None,
+        api_endpoint: str | None = None,
         credentials: Any = None,
         cluster: str = "NAME",
     ) -> Gcp:
@@ -121,7 +149,9 @@ class Gcp:
                 f'no Google Cloud project: set project = "..." under [clusters.{cluster}] in dtrain.toml, '
                 "or export GOOGLE_CLOUD_PROJECT=..."
             )
-        return cls(project, credentials, endpoint=endpoint, storage_endpoint=storage_endpoint)
+        return cls(
+            project, credentials, endpoint=endpoint, storage_endpoint=storage_endpoint, api_endpoint=api_endpoint
+        )
 
     def compute(self, name: str) -> Any:
         """A compute_v1 client by class name ("InstancesClient", "RegionsClient", ...)."""
@@ -141,6 +171,23 @@ class Gcp:
             client = storage.Client(project=self.project, credentials=self.credentials, client_options=options)
             self._clients["storage"] = client
         return client
+
+    def rest(self, api: str, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        """One call to a Google REST API that has no client library among dtrain's dependencies
+        (REST_APIS), with the credentials; an error answer is raised as the google.api_core exception
+        the client libraries raise, so `errors` maps it like any other. `kwargs` go to requests
+        (params, json)."""
+        session = self._clients.get("rest")
+        if session is None:
+            session = google_module("auth.requests").AuthorizedSession(self.credentials)
+            self._clients["rest"] = session
+        url = (self.api_endpoint or REST_APIS[api]).rstrip("/") + path
+        response = session.request(method, url, timeout=REQUEST_TIMEOUT_S, **kwargs)
+        if response.status_code >= 400:
+            from google.api_core import exceptions as gexc
+
+            raise gexc.from_http_response(response)
+        return response.json() if response.content else {}
 
     def rpc(self) -> dict[str, Any]:
         """Per-call options for Compute requests: a timeout, and retries of transient errors (503,
@@ -223,10 +270,7 @@ def api_error(exc: BaseException, *, project: str, doing: str, endpoint: str | N
 
     if reasons & {"SERVICE_DISABLED", "accessNotConfigured"} or "has not been used in project" in message:
         api = (getattr(exc, "metadata", None) or {}).get("service") or "compute.googleapis.com"
-        return UserError(
-            f"{_API_NAMES.get(api, api)} is not enabled in project {project}: "
-            f"gcloud services enable {api} --project {project}"
-        )
+        return UserError(enable_hint(project, [api]))
     if reasons & {"RATE_LIMIT_EXCEEDED", "rateLimitExceeded", "userRateLimitExceeded"} or code == 429:
         return UserError(
             f"{where}API rate limit reached in project {project} ({message}): wait a minute and run it again",
@@ -277,6 +321,11 @@ _API_NAMES = {
     "compute.googleapis.com": "Compute Engine API",
     "storage.googleapis.com": "Cloud Storage API",
     "storage-api.googleapis.com": "Cloud Storage API",
+    "artifactregistry.googleapis.com": "Artifact Registry API",
+    "iam.googleapis.com": "IAM API",
+    "serviceusage.googleapis.com": "Service Usage API",
+    "cloudresourcemanager.googleapis.com": "Cloud Resource Manager API",
+    "oslogin.googleapis.com": "OS Login API",
 }
 
 
@@ -360,6 +409,7 @@ class PreflightReport:
     zones: list[str] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    passed: list[str] = dataclasses.field(default_factory=list)  # other checks that passed, one line each
 
     @property
     def ok(self) -> bool:
@@ -371,7 +421,28 @@ class PreflightReport:
         if self.accelerator:
             offered = ", ".join(self.zones) or "none"
             lines.append(f"{self.accelerator} offered in {self.region}: {offered}")
-        return lines + self.notes
+        return lines + self.passed + self.notes
+
+
+def disabled_services(gcp: Gcp, services: Iterable[str]) -> list[str]:
+    """Which of `services` are not enabled in the project, in their order: one Service Usage call
+    (services.batchGet, at most 30 names; gcloud passes the project id as the parent too)."""
+    wanted = list(services)
+    names = [f"projects/{gcp.project}/services/{s}" for s in wanted]
+    with gcp.errors("checking which APIs the project has enabled"):
+        body = gcp.rest("serviceusage", "GET", f"/v1/projects/{gcp.project}/services:batchGet", params={"names": names})
+    # The answer names the project by number: match on the service's own name.
+    state = {item.get("name", "").rsplit("/", 1)[-1]: item.get("state") for item in body.get("services", [])}
+    return [s for s in wanted if state.get(s) != "ENABLED"]
+
+
+def enable_hint(project: str, services: Iterable[str]) -> str:
+    """The one line that says which APIs are off and how to turn them on."""
+    services = list(services)
+    names = ", ".join(_API_NAMES.get(s, s) for s in services)
+    verb = "is" if len(services) == 1 else "are"
+    command = f"gcloud services enable {' '.join(services)} --project {project}"
+    return f"{names} {verb} not enabled in project {project}: {command}"
 
 
 def _num(x: float) -> str:
@@ -381,7 +452,7 @@ def _num(x: float) -> str:
 def preflight(
     gcp: Gcp,
     region: str,
-    zone: str,
+    zone: str | None,
     accelerator: str | None,
     gpus_total: int,
     cpus_total: int,
@@ -389,12 +460,18 @@ def preflight(
     instances: int,
     *,
     gpus_per_instance: int | None = None,
+    machine_family: str = "n1",
+    disk_gb_total: int = 0,
+    disk_type: str = "pd-balanced",
+    external_ips: bool = True,
 ) -> PreflightReport:
-    """Check, before `terraform apply`, that the cluster fits: the regional GPU, CPU, address and
-    instance quotas, GPUS_ALL_REGIONS, that `zone` is in `region` and offers `accelerator` (with
-    at least `gpus_per_instance` cards per VM; default: gpus_total spread over `instances`), and
-    which zones of the region offer it (report.zones, `zone` first when it qualifies), so that `up`
-    can move on to the next one on ZONE_RESOURCE_POOL_EXHAUSTED.
+    """Check, before `terraform apply`, that the cluster fits: the regional GPU, vCPU (the quota of
+    `machine_family`), disk (`disk_type`'s), address (one per node with `external_ips`) and instance
+    quotas, GPUS_ALL_REGIONS, that `zone` is in `region` and offers `accelerator` (with at least
+    `gpus_per_instance` cards per VM; default: gpus_total spread over `instances`), and which zones
+    of the region offer it (report.zones, `zone` first when it qualifies), so that `up` can move on
+    to the next one on ZONE_RESOURCE_POOL_EXHAUSTED. Without a `zone`, report.zone is the first zone
+    of the region's listing that qualifies (zone names differ between regions: us-east1 has no -a).
 
     Spot VMs draw on PREEMPTIBLE_* quota where the project has been granted it in the region (a
     limit above 0), and on the standard quota otherwise (Compute Engine's documented rule);
@@ -402,7 +479,7 @@ def preflight(
     """
     if not REGION_RE.fullmatch(region):
         raise UserError(f"region {region!r} is not a Compute Engine region name (like us-central1)")
-    report = PreflightReport(project=gcp.project, region=region, zone=zone, accelerator=accelerator)
+    report = PreflightReport(project=gcp.project, region=region, zone=zone or "", accelerator=accelerator)
     with gcp.errors(f"reading quotas of region {region}"):
         region_res = gcp.compute("RegionsClient").get(project=gcp.project, region=region, **gcp.rpc())
     regional = {q.metric: q for q in region_res.quotas}
@@ -427,9 +504,15 @@ def preflight(
             report.notes.append(f"no PREEMPTIBLE_{metric} quota granted in {region}: spot VMs use {metric}")
         return metric
 
-    check(spot_metric("CPUS"), cpus_total, regional, region)
+    cpu_metric = "CPUS" if machine_family in SHARED_CPU_QUOTA_SERIES else f"{machine_family.upper()}_CPUS"
+    if cpu_metric in regional:
+        check(spot_metric(cpu_metric), cpus_total, regional, region)
+    elif cpus_total > 0:
+        report.notes.append(f"{cpu_metric} is not listed for {region}: vCPU quota not checked")
     check("INSTANCES", instances, regional, region)
-    check("IN_USE_ADDRESSES", instances, regional, region)  # one external IP per node
+    if external_ips:
+        check("IN_USE_ADDRESSES", instances, regional, region)  # one external IP per node
+    check(DISK_QUOTA[disk_type], disk_gb_total, regional, region)
     if accelerator and gpus_total > 0:
         metric = ACCELERATOR_QUOTA.get(accelerator)
         if metric is None:
@@ -440,24 +523,33 @@ def preflight(
             project_res = gcp.compute("ProjectsClient").get(project=gcp.project, **gcp.rpc())
         check("GPUS_ALL_REGIONS", gpus_total, {q.metric: q for q in project_res.quotas}, "global")
 
-    region_zones = _region_zones(gcp, region)
-    if zone not in region_zones:
+    up_zones = region_zones(gcp, region)
+    if zone is not None and zone not in up_zones:
         report.problems.append(
-            f"zone {zone} is not a zone of {region} that is up (zones: {', '.join(region_zones) or 'none'}): "
+            f"zone {zone} is not a zone of {region} that is up (zones: {', '.join(up_zones) or 'none'}): "
             f"set zone = one of them"
         )
     if not accelerator:
-        report.zones = ([zone] if zone in region_zones else []) + [z for z in region_zones if z != zone]
+        report.zones = ([zone] if zone in up_zones else []) + [z for z in up_zones if z != zone]
+        if zone is None:
+            report.zone = report.zones[0] if report.zones else ""
+            if not report.zones:
+                report.problems.append(f"no zone of {region} is up: choose another region")
         return report
 
     # Checked even when this run adds no GPU (an update of a cluster that is up): the zone must still
     # offer the accelerator, with as many cards per VM as the nodes carry.
     per_vm = gpus_per_instance or max(1, math.ceil(gpus_total / max(instances, 1)))
-    offered = _accelerator_zones(gcp, accelerator, region_zones)  # zone -> maximumCardsPerInstance
+    offered = _accelerator_zones(gcp, accelerator, up_zones)  # zone -> maximumCardsPerInstance
     fits = sorted(z for z, cards in offered.items() if cards >= per_vm)
     report.zones = ([zone] if zone in fits else []) + [z for z in fits if z != zone]
     others = [z for z in report.zones if z != zone]
-    if zone in region_zones and zone not in offered:
+    if zone is None:
+        report.zone = report.zones[0] if report.zones else ""
+        if not fits:
+            offer = f"at most {max(offered.values())} per VM there" if offered else "in none of its zones"
+            report.problems.append(f"{accelerator} with {per_vm} per VM is not offered in {region} ({offer})")
+    elif zone in up_zones and zone not in offered:
         alt = f"zones in {region} that offer it: {', '.join(others)}" if others else f"no zone in {region} offers it"
         report.problems.append(f"{accelerator} is not offered in {zone}; {alt}")
     elif zone in offered and offered[zone] < per_vm:
@@ -468,7 +560,7 @@ def preflight(
     return report
 
 
-def _region_zones(gcp: Gcp, region: str) -> list[str]:
+def region_zones(gcp: Gcp, region: str) -> list[str]:
     """The zones of `region` whose status is UP, by name."""
     with gcp.errors(f"listing the zones of {region}"):
         zones = list(
@@ -595,6 +687,21 @@ def node_states(
         at = preemptions.get(name)
         states.append(NodeState(name=name, zone=zone, status="MISSING", preempted=at is not None, preempted_at=at))
     return sorted(states, key=lambda s: s.name)
+
+
+def cluster_zones(gcp: Gcp, region: str, cluster_name: str) -> list[str]:
+    """The zones of `region` that hold VMs labelled with the cluster, by name (one aggregated listing):
+    where a cluster is when neither its record nor its table names a zone."""
+    zones = set()
+    with gcp.errors(f"looking for the VMs of cluster {cluster_name} in {region}"):
+        pages = gcp.compute("InstancesClient").aggregated_list(
+            request={"project": gcp.project, "filter": _label_filter(cluster_name)}, **gcp.rpc()
+        )
+        for scope, scoped in pages:
+            zone = _short(scope)
+            if zone.startswith(f"{region}-") and any(_labelled(i, cluster_name) for i in scoped.instances):
+                zones.add(zone)
+    return sorted(zones)
 
 
 def _is_spot(inst: Any) -> bool:

@@ -39,13 +39,17 @@ READY_FILE = "/var/lib/dtrain/ready"
 READY_POLL_S = 10
 Confirm = Callable[[str], bool]
 
-# The checkpoint bucket's Terraform addresses (infra/storage.tf): forgotten before a destroy that
-# keeps the data, so Terraform neither deletes it nor fails on a non-empty bucket.
-KEEP_ADDRESSES = ("google_storage_bucket.checkpoints",)
+# The checkpoint bucket is infra/storage.tf's resource named `checkpoints`: forgotten before a destroy
+# that keeps the data, so Terraform neither deletes it nor fails on a non-empty bucket (the next `up`
+# adopts it again). Matched by name, whatever its type, so the tests' stand-in infra (terraform_data:
+# no google provider can be had there) is kept the same way.
+KEEP_NAME = "checkpoints"
 # What ends with the cluster under its config directory (the record goes through remove_record).
 CLUSTER_FILES = ("id_ed25519", "id_ed25519.pub", "known_hosts", "terraform.tfvars.json")
 # A well-formed key that nobody holds: the derivation needs some key, and never deploys it.
 _PLACEHOLDER_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOCq6lYDCi2DbDjX7yU6Ac7nDnmrMYeBv3I2cLxGdGJk dtrain-plan"
+# A zone letter no region has, for the derivation before the zone is known (see derive).
+_PLACEHOLDER_ZONE_SUFFIX = "z"
 
 
 @dataclasses.dataclass
@@ -69,37 +73,48 @@ def context(cfg: ClusterConfig) -> Context:
 def connect(project: str, cluster: str) -> Gcp:
     """Compute and Storage clients for `project`, at the endpoints the environment names."""
     from dtrain.control.gcp.api import Gcp
-    from dtrain.control.settings import gcp_endpoints
+    from dtrain.control.settings import gcp_api_endpoint, gcp_endpoints
 
     compute, storage = gcp_endpoints()
+    apis = gcp_api_endpoint()
     credentials = None
-    if any(e and e.startswith("http://") for e in (compute, storage)):
+    if any(e and e.startswith("http://") for e in (compute, storage, apis)):
         # A plain-http endpoint is a local emulator (the tests' Compute server, gcp-storage-emulator):
         # never send it a Google token, which would travel in clear text.
         from google.auth.credentials import AnonymousCredentials
 
         credentials = AnonymousCredentials()
     return Gcp.connect(
-        project or None, endpoint=compute, storage_endpoint=storage, credentials=credentials, cluster=cluster
+        project or None,
+        endpoint=compute,
+        storage_endpoint=storage,
+        api_endpoint=apis,
+        credentials=credentials,
+        cluster=cluster,
     )
 
 
-def zone_of(spec: GcpSpec, record: dict[str, Any] | None = None) -> str:
-    """The cluster's zone: where its record says it is, else the configured one, else the region's
-    first zone (preflight and up then move to the first zone that offers the accelerator)."""
-    return (record or {}).get("zone") or spec.zone or f"{spec.region}-a"
+def zone_of(spec: GcpSpec, record: dict[str, Any] | None = None) -> str | None:
+    """The cluster's zone: where its record says it is, else the configured one; None when neither
+    names one. Zone names differ between regions (us-east1 has no -a), so no zone is guessed:
+    preflight takes the first zone of the region's listing that qualifies, and status and down look
+    for the cluster's VMs in every zone of the region."""
+    return (record or {}).get("zone") or spec.zone or None
 
 
-def derive(ctx: Context, zone: str) -> dict[str, Any]:
+def derive(ctx: Context, zone: str | None) -> dict[str, Any]:
     """Machine type, GPUs and image per node, from Terraform's own derivation (infra/modules/plan),
     so a combination Terraform rejects is rejected here, before anything is created."""
     from dtrain.control.gcp.spec import tfvars
     from dtrain.control.gcp.terraform import derive as tf_derive
 
+    # Nothing the plan module derives depends on the zone; its variable only has to be a zone name
+    # of the region. Before preflight has chosen one, this stands in for it; no API ever sees it.
+    zone = zone or f"{ctx.spec.region}-{_PLACEHOLDER_ZONE_SUFFIX}"
     return tf_derive(tfvars(ctx.spec, project=ctx.project, zone=zone, ssh_public_key=_PLACEHOLDER_KEY))
 
 
-def _quota_check(ctx: Context, derived: dict[str, Any], zone: str, existing: int = 0) -> PreflightReport:
+def _quota_check(ctx: Context, derived: dict[str, Any], zone: str | None, existing: int = 0) -> PreflightReport:
     """Quota for the nodes this run adds: `existing` nodes of the cluster already count in usage."""
     from dtrain.control.gcp.api import preflight as api_preflight
     from dtrain.control.gcp.prices import vcpus
@@ -117,7 +132,49 @@ def _quota_check(ctx: Context, derived: dict[str, Any], zone: str, existing: int
         spot=s.spot,
         instances=new,
         gpus_per_instance=derived["gpus"] or None,
+        machine_family=derived["machine_family"],
+        disk_gb_total=s.disk_size_gb * new,
+        external_ips=s.external_ip,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What preflight found: the report, the derivation, and what `up` must do about the bucket."""
+
+    report: PreflightReport
+    derived: dict[str, Any]
+    adopt_bucket: bool
+
+
+def _preflight(ctx: Context, events: Events, rec: dict[str, Any] | None = None) -> Checked:
+    """Every check that can fail before anything is created; raises with the first problem."""
+    s = ctx.spec
+    zone = zone_of(s, rec)
+    where = f", zone {zone}" if zone else f", region {s.region}"
+    events.info(f"preflight for cluster {s.name} in project {ctx.project}{where}:")
+    _services_check(ctx, events)
+    derived = derive(ctx, zone)
+    report = _quota_check(ctx, derived, zone, len(rec["nodes"]) if rec else 0)
+    adopt_bucket = _checkpoint_bucket(ctx, report)
+    _report(report, events)
+    if not report.ok:
+        raise UserError(report.problems[0], exit_code=ExitCode.FAILURE)
+    if zone is None:
+        events.info(f"zone {report.zone}: the first zone of {s.region} that qualifies (set zone = to choose)")
+    return Checked(report, derived, adopt_bucket)
+
+
+def _services_check(ctx: Context, events: Events) -> None:
+    """The APIs the cluster needs are enabled, or one line that names the `gcloud services enable`
+    command: before anything is created, not as a Terraform error halfway through."""
+    from dtrain.control.gcp.api import REQUIRED_SERVICES, disabled_services, enable_hint
+
+    wanted = list(REQUIRED_SERVICES)
+    off = disabled_services(ctx.api, wanted)
+    if off:
+        raise UserError(enable_hint(ctx.project, off))
+    events.check(f"APIs enabled: {', '.join(s.removesuffix('.googleapis.com') for s in wanted)}", True)
 
 
 def _report(report: PreflightReport, events: Events) -> None:
@@ -130,16 +187,9 @@ def _report(report: PreflightReport, events: Events) -> None:
 
 
 def preflight(cfg: ClusterConfig, *, events: Events) -> PreflightReport:
-    """Check quota and zone capacity, in seconds, before anything is created. Raises on a problem."""
-    ctx = context(cfg)
-    zone = zone_of(ctx.spec)
-    derived = derive(ctx, zone)
-    events.info(f"preflight for cluster {ctx.spec.name} in project {ctx.project}, zone {zone}:")
-    report = _quota_check(ctx, derived, zone)
-    _report(report, events)
-    if not report.ok:
-        raise UserError(report.problems[0], exit_code=ExitCode.FAILURE)
-    return report
+    """Check quota, zones, APIs and the bucket, in seconds, before anything is created. Raises on a
+    problem."""
+    return _preflight(context(cfg), events).report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,16 +278,9 @@ def up(
             f"cluster {s.name} is up in {zone}, not {s.zone} (--next-zone moved it): it stays there; "
             f"to move it, dtrain down --cluster {s.name}, then dtrain up"
         )
-    existing = len(rec["nodes"]) if rec else 0
-    derived = derive(ctx, zone)
-    events.info(f"preflight for cluster {s.name} in project {ctx.project}:")
-    report = _quota_check(ctx, derived, zone, existing)
-    if not s.zone and not rec and report.zones and zone not in report.zones:
-        zone = report.zones[0]  # no zone chosen: the first that offers the accelerator
-        report = _quota_check(ctx, derived, zone)
-    _report(report, events)
-    if not report.ok:
-        raise UserError(report.problems[0], exit_code=ExitCode.FAILURE)
+    checked = _preflight(ctx, events, rec)
+    report, derived, adopt_bucket = checked.report, checked.derived, checked.adopt_bucket
+    zone = report.zone  # no zone chosen: the first that qualifies
     zones = [zone] + [z for z in report.zones if z != zone]
 
     plan = cost_plan(s, derived, ctx.project, zone)
@@ -252,8 +295,9 @@ def up(
     var_file = cluster_dir(s.name) / "terraform.tfvars.json"
     for attempt, z in enumerate(zones):
         tf.context["zone"] = z
+        public_key = key.with_suffix(".pub").read_text()
         write_tfvars(
-            tfvars(s, project=ctx.project, zone=z, ssh_public_key=key.with_suffix(".pub").read_text()), var_file
+            tfvars(s, project=ctx.project, zone=z, ssh_public_key=public_key, adopt_bucket=adopt_bucket), var_file
         )
         try:
             _apply(tf, var_file, "apply", events)
@@ -378,6 +422,54 @@ def _empty_bucket(ctx: Context, name: str) -> int:
     return removed
 
 
+def _find_zone(ctx: Context, rec: dict[str, Any] | None) -> str:
+    """The cluster's zone for `down` when nothing on this machine says it: where its VMs are, else
+    the region's first zone that is up (destroy works from the state; the variable must be valid)."""
+    from dtrain.control.gcp.api import cluster_zones, region_zones
+
+    s = ctx.spec
+    zone = zone_of(s, rec) or next(iter(cluster_zones(ctx.api, s.region, s.name)), None)
+    zone = zone or next(iter(region_zones(ctx.api, s.region)), None)
+    if zone is None:
+        raise UserError(f"no zone of region {s.region} is up: set zone = under [clusters.{s.name}]")
+    return zone
+
+
+def _kept(addresses: list[str]) -> list[str]:
+    """The state addresses of the root module's `checkpoints` resource (see KEEP_NAME)."""
+    return [a for a in addresses if a.split("[", 1)[0].split(".")[1:] == [KEEP_NAME]]
+
+
+def _checkpoint_bucket(ctx: Context, report: PreflightReport) -> bool:
+    """Whether the checkpoint bucket exists and is this cluster's, kept by `dtrain down`: Terraform then
+    adopts it (infra's adopt_bucket) instead of creating it, which GCS would answer with 409. A bucket
+    of that name that is not the cluster's is a problem now rather than mid-apply."""
+    from google.api_core import exceptions as gexc
+
+    from dtrain.control.gcp.api import CLUSTER_LABEL
+
+    s = ctx.spec
+    name = s.bucket_name(ctx.project)
+    other = f'set bucket = "..." under [clusters.{s.name}] to another name'
+    with ctx.api.errors(f"looking up the checkpoint bucket gs://{name}"):
+        try:
+            bucket = ctx.api.storage().lookup_bucket(name)
+        except gexc.Forbidden:  # bucket names are global: another project has this one
+            report.problems.append(f"the bucket name gs://{name} belongs to someone else: {other}")
+            return False
+    if bucket is None:
+        report.passed.append(f"checkpoint bucket gs://{name}: to be created")
+        return False
+    owner = (bucket.labels or {}).get(CLUSTER_LABEL)
+    if owner != s.name:
+        report.problems.append(
+            f"gs://{name} exists but is not cluster {s.name}'s (label {CLUSTER_LABEL}={owner or '(none)'}): {other}"
+        )
+        return False
+    report.passed.append(f"checkpoint bucket gs://{name}: kept by an earlier dtrain down, adopted with its data")
+    return True
+
+
 def wait_ready(cluster: Cluster, *, timeout: float, events: Events, handle: Handle) -> None:
     """Until every node answers SSH and its startup script has written READY_FILE with ok, and
     nvidia-smi lists the GPUs on GPU nodes; at most `timeout` seconds, then one line per late node."""
@@ -487,9 +579,11 @@ def down(
     if not confirm("go ahead?"):
         raise UserError("nothing deleted", exit_code=ExitCode.FAILURE)
 
-    zone = zone_of(s, rec)
     var_file = cluster_dir(s.name) / "terraform.tfvars.json"
-    if not var_file.is_file():  # another machine made it, or the file was lost: render it again
+    if var_file.is_file():
+        zone = json.loads(var_file.read_text()).get("zone") or _find_zone(ctx, rec)
+    else:  # another machine made it, or the file was lost: render it again
+        zone = _find_zone(ctx, rec)
         key = ensure_ssh_key(s.name)
         write_tfvars(
             tfvars(s, project=ctx.project, zone=zone, ssh_public_key=key.with_suffix(".pub").read_text()), var_file
@@ -503,7 +597,7 @@ def down(
             n = _empty_bucket(ctx, bucket)
             events.info(f"emptied gs://{bucket} ({n} object versions); Terraform deletes it")
         else:
-            kept = tf.forget(KEEP_ADDRESSES)
+            kept = tf.forget(_kept(tf.state_list()))
             if kept:
                 events.info(f"keeping gs://{bucket}: removed from Terraform's state ({len(kept)} entries)")
         _apply(tf, var_file, "destroy", events, destroy=True)
@@ -564,6 +658,7 @@ class StatusResult:
     nodes: tuple[NodeStatus, ...]
     recorded: bool  # dtrain up's record exists on this machine
     note: str
+    region: str = ""
 
     @property
     def usd_per_hour(self) -> float:
@@ -584,17 +679,17 @@ class StatusResult:
 
 def status(cfg: ClusterConfig) -> StatusResult:
     """The cluster's nodes as the Compute API sees them now, their uptime and the cost so far."""
-    from dtrain.control.gcp.api import node_states
+    from dtrain.control.gcp.api import cluster_zones, node_states
     from dtrain.control.gcp.prices import estimate_note, node_price
     from dtrain.control.gcp.record import read_record
 
     ctx = context(cfg)
     s = ctx.spec
     rec = read_record(s.name)
-    zone = zone_of(s, rec)
+    zone = zone_of(s, rec) or next(iter(cluster_zones(ctx.api, s.region, s.name)), None)
     expected = [n["name"] for n in rec["nodes"]] if rec else []
     rows = []
-    for st in node_states(ctx.api, zone, s.name, expected=expected):
+    for st in node_states(ctx.api, zone, s.name, expected=expected) if zone else ():
         uptime = st.uptime_s or 0.0
         price = node_price(st.machine_type, st.accelerator, st.gpus, s.disk_size_gb, spot=st.spot)
         running = st.status in ("RUNNING", "PROVISIONING", "STAGING")
@@ -613,4 +708,5 @@ def status(cfg: ClusterConfig) -> StatusResult:
                 external_ip=st.external_ip,
             )
         )
-    return StatusResult(s.name, ctx.project, zone, tuple(rows), rec is not None, estimate_note(s.spot))
+    note = estimate_note(s.spot)
+    return StatusResult(s.name, ctx.project, zone or "", tuple(rows), rec is not None, note, region=s.region)

@@ -171,8 +171,9 @@ def _check(s: GcpSpec, where: str) -> None:
         raise UserError(f"{where}: ready_timeout must be at least 60 seconds, got {s.ready_timeout}")
 
 
-def tfvars(s: GcpSpec, *, project: str, zone: str, ssh_public_key: str) -> dict[str, Any]:
-    """The variables of infra/ for this cluster (the names are infra/variables.tf's)."""
+def tfvars(s: GcpSpec, *, project: str, zone: str, ssh_public_key: str, adopt_bucket: bool = False) -> dict[str, Any]:
+    """The variables of infra/ for this cluster (the names are infra/variables.tf's). `adopt_bucket`:
+    the checkpoint bucket exists (a `dtrain down` kept it) and Terraform imports it."""
     if not s.ssh_source_ranges and not s.allow_ssh_from_anywhere:
         raise UserError(
             f"[clusters.{s.name}]: set ssh_source_ranges to the addresses you SSH from, e.g. "
@@ -200,6 +201,7 @@ def tfvars(s: GcpSpec, *, project: str, zone: str, ssh_public_key: str) -> dict[
         "labels": dict(s.labels),
         "ssh_user": s.ssh_user,
         "ssh_public_key": ssh_public_key,
+        "adopt_bucket": adopt_bucket,
     }
 
 
