@@ -263,6 +263,12 @@ variable "force_destroy" {
   description = "Let `terraform destroy` delete the checkpoint bucket while it still holds objects. Off by default: checkpoints outlive the cluster unless you opt in."
 }
 
+variable "os_login" {
+  type        = bool
+  default     = false
+  description = "Log in through OS Login instead of the cluster's key in instance metadata: for organisations that enforce constraints/compute.requireOsLogin. dtrain up sets it there and adds the key to your OS Login profile; by hand, use gcloud compute ssh (roles/compute.osAdminLogin)."
+}
+
 variable "adopt_bucket" {
   type        = bool
   default     = false

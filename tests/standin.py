@@ -20,9 +20,10 @@ import json, os, sys, urllib.request
 verb, project, zone, name = sys.argv[1:5]
 base = os.environ["DTRAIN_GCP_COMPUTE_ENDPOINT"].rstrip("/") + f"/compute/v1/projects/{project}/zones/{zone}/instances"
 if verb == "create":
-    labels, machine, ip = json.loads(sys.argv[5]), sys.argv[6], sys.argv[7]
+    labels, machine, ip, external = json.loads(sys.argv[5]), sys.argv[6], sys.argv[7], sys.argv[8] == "true"
+    nic = {"networkIP": ip, **({"accessConfigs": [{"natIP": ip}]} if external else {})}
     body = {"name": name, "machineType": f"zones/{zone}/machineTypes/{machine}", "labels": labels,
-            "networkInterfaces": [{"networkIP": ip, "accessConfigs": [{"natIP": ip}]}]}
+            "networkInterfaces": [nic]}
     req = urllib.request.Request(base, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
 else:
@@ -110,9 +111,10 @@ def standin_infra(
               workdirs  = {dirs}
             }}
 
-            # A node: the VM in the Compute API (created and deleted as the provider would), what GCE's
-            # guest agent does with the ssh-keys metadata (authorize the key), and what
-            # infra/node-startup.sh signals when it is done.
+            # A node: the VM in the Compute API (created and deleted as the provider would, with an
+            # external IP unless external_ip = false), what GCE's guest agent does with the ssh-keys
+            # metadata (authorize the key; with os_login there is none, and sshd asks OS Login, which
+            # the test machine does not have), and what infra/node-startup.sh signals when it is done.
             resource "terraform_data" "node" {{
               for_each = toset(module.plan.node_names)
               input = {{
@@ -125,8 +127,8 @@ def standin_infra(
               provisioner "local-exec" {{
                 command = join("; ", [
                   "set -e",
-                  "{sys.executable} $GCE create $PROJECT $ZONE $NAME \\"$LABELS\\" $MACHINE $IP",
-                  "grep -qxF \\"$KEY\\" $AUTH || echo \\"$KEY\\" >> $AUTH",
+                  "{sys.executable} $GCE create $PROJECT $ZONE $NAME \\"$LABELS\\" $MACHINE $IP $EXTERNAL",
+                  "$OS_LOGIN || grep -qxF \\"$KEY\\" $AUTH || echo \\"$KEY\\" >> $AUTH",
                   "mkdir -p $(dirname $READY)", "echo $OK > $READY",
                 ])
                 environment = {{
@@ -137,7 +139,9 @@ def standin_infra(
                   LABELS  = jsonencode(module.plan.labels)
                   MACHINE = module.plan.machine_type
                   IP      = local.addresses[index(module.plan.node_names, each.key)]
-                  KEY     = var.ssh_public_key
+                  EXTERNAL = tostring(var.external_ip)
+                  OS_LOGIN = tostring(var.os_login)
+                  KEY     = trimspace(var.ssh_public_key)  # one line: grep -x must see it whole
                   AUTH    = "{authorized_keys}"
                   READY   = "{ready_file}"
                   OK      = jsonencode({{ ok = true }})
@@ -187,7 +191,7 @@ def standin_infra(
                   name         = name
                   role         = i == 0 ? "master" : "worker"
                   internal_ip  = local.addresses[i]
-                  external_ip  = local.addresses[i]
+                  external_ip  = var.external_ip ? local.addresses[i] : ""
                   gpus         = module.plan.gpus
                   accelerator  = module.plan.accelerator
                   machine_type = module.plan.machine_type

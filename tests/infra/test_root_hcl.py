@@ -37,7 +37,7 @@ TAG = "${module.plan.network_tag}"
 IAP_RANGE = "35.235.240.0/20"
 NODE_KEYS = {"name", "role", "internal_ip", "external_ip", "gpus", "accelerator", "machine_type"}
 RECORD_KEYS = {"name", "project", "region", "zone", "bucket", "registry", "ssh_user", "nodes"}
-ROOT_ONLY_VARIABLES = {"force_destroy", "observability_roles", "adopt_bucket"}
+ROOT_ONLY_VARIABLES = {"force_destroy", "observability_roles", "adopt_bucket", "os_login"}
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +146,11 @@ def check_service_account(root: Module, plan: Module) -> None:
 def check_ssh_metadata(root: Module, plan: Module) -> None:
     metadata = root.resource("google_compute_instance", "node")["metadata"]
     assert metadata["block-project-ssh-keys"] is True
-    assert metadata["ssh-keys"] == "${var.ssh_user}:${trimspace(var.ssh_public_key)}"
-    assert metadata["enable-oslogin"] == "FALSE"
+    # The cluster's key in metadata and OS Login off, unless os_login: then the key is on the user's
+    # OS Login profile and sshd would ignore metadata keys anyway.
+    assert metadata["ssh-keys"] == '${var.os_login ? "" : "${var.ssh_user}:${trimspace(var.ssh_public_key)}"}'
+    assert metadata["enable-oslogin"] == '${var.os_login ? "TRUE" : "FALSE"}'
+    assert root.variables["os_login"]["default"] is False
     assert metadata["enable-guest-attributes"] == "TRUE"
     assert metadata["startup-script"] == '${file("${path.module}/node-startup.sh")}'
     assert (root.directory / "node-startup.sh").is_file(), "infra/ must hold its startup script (self-contained)"

@@ -1,5 +1,5 @@
 # The same inputs as the root module (infra/variables.tf), minus those only provider resources use
-# (force_destroy, observability_roles, adopt_bucket), and without defaults: the root owns the defaults.
+# (force_destroy, observability_roles, adopt_bucket, os_login), and without defaults: the root owns them.
 # Single-variable checks are validations, identical here and in the root (tests/infra checks that
 # every root validation appears here, so `terraform test` exercises the root's rules); rules that
 # involve several variables are the terraform_data preconditions in main.tf.

@@ -95,7 +95,17 @@ ROLE_FOR_PERMISSION = (
     ("compute.", "roles/compute.viewer"),
     ("storage.", "roles/storage.admin"),
     ("serviceusage.", "roles/serviceusage.serviceUsageConsumer"),
+    ("orgpolicy.", "roles/orgpolicy.policyViewer"),
+    ("iap.tunnelInstances.", "roles/iap.tunnelResourceAccessor"),
 )
+# The permissions a way of logging in needs, and the role that grants each (Google's predefined
+# roles: OS Login with sudo, which `sudo docker` needs; IAP-secured Tunnel User).
+ACCESS_PERMISSIONS = {
+    "compute.instances.osAdminLogin": "roles/compute.osAdminLogin",
+    "iap.tunnelInstances.accessViaIAP": "roles/iap.tunnelResourceAccessor",
+}
+REQUIRE_OS_LOGIN = "constraints/compute.requireOsLogin"
+EXTERNAL_IP_ACCESS = "constraints/compute.vmExternalIpAccess"
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,7 +354,9 @@ def _first_line(text: str, limit: int = 200) -> str:
 def _permission_in(message: str) -> str | None:
     # A permission is service.resource.verb; not a piece of an e-mail or a host name.
     m = re.search(
-        r"(?<![\w@.-])((?:compute|storage|serviceusage|iam|resourcemanager)\.[A-Za-z]+\.[A-Za-z]+)(?![\w.])", message
+        r"(?<![\w@.-])((?:compute|storage|serviceusage|iam|resourcemanager|orgpolicy|oslogin|iap)\.[A-Za-z]+\.[A-Za-z]+)"
+        r"(?![\w.])",
+        message,
     )
     return m.group(1) if m else None
 
@@ -410,6 +422,7 @@ class PreflightReport:
     problems: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     passed: list[str] = dataclasses.field(default_factory=list)  # other checks that passed, one line each
+    config_problems: list[str] = dataclasses.field(default_factory=list)  # of `problems`: fixed in the config
 
     @property
     def ok(self) -> bool:
@@ -586,6 +599,135 @@ def _accelerator_zones(gcp: Gcp, accelerator: str, zones: Iterable[str]) -> dict
                 if acc.name == accelerator and zone in wanted:
                     offered[zone] = acc.maximum_cards_per_instance or 0
     return offered
+
+
+# --------------------------------------------------------------------------------------------
+# Organisation policies, permissions, identity and OS Login
+
+
+def effective_policy(gcp: Gcp, constraint: str) -> dict[str, Any]:
+    """The organisation policy in force on the project for `constraint` (Resource Manager v1
+    projects.getEffectiveOrgPolicy: the project's, its folders' and its organisation's merged). Needs
+    orgpolicy.policy.get; a project outside any organisation answers with the constraint's default."""
+    with gcp.errors(f"reading the organisation policy {constraint}"):
+        return gcp.rest(
+            "cloudresourcemanager",
+            "POST",
+            f"/v1/projects/{gcp.project}:getEffectiveOrgPolicy",
+            json={"constraint": constraint},
+        )
+
+
+def enforced(policy: dict[str, Any]) -> bool:
+    """Whether a boolean constraint's policy is on."""
+    return bool((policy.get("booleanPolicy") or {}).get("enforced"))
+
+
+def external_ip_denied(policy: dict[str, Any], project: str, zone: str, names: Iterable[str]) -> list[str]:
+    """Which of the VMs `names` (in `zone`) constraints/compute.vmExternalIpAccess denies an external IP.
+    Its values are instance paths, projects/P/zones/Z/instances/N; all values allowed when no list
+    policy is set (the constraint's default)."""
+    listed = policy.get("listPolicy") or {}
+
+    def values(key: str) -> set[str]:
+        return {v.removeprefix("is:") for v in listed.get(key) or []}
+
+    allowed, denied, everything = values("allowedValues"), values("deniedValues"), listed.get("allValues")
+    out = []
+    for name in names:
+        path = f"projects/{project}/zones/{zone}/instances/{name}"
+        if everything == "ALLOW":
+            continue
+        if everything == "DENY" or path in denied or (allowed and path not in allowed):
+            out.append(name)
+    return out
+
+
+def missing_permissions(gcp: Gcp, permissions: Iterable[str]) -> list[str]:
+    """Which of `permissions` the caller lacks on the project (Resource Manager testIamPermissions)."""
+    wanted = list(permissions)
+    if not wanted:
+        return []
+    with gcp.errors("checking your permissions on the project"):
+        body = gcp.rest(
+            "cloudresourcemanager",
+            "POST",
+            f"/v1/projects/{gcp.project}:testIamPermissions",
+            json={"permissions": wanted},
+        )
+    held = set(body.get("permissions") or [])
+    return [p for p in wanted if p not in held]
+
+
+def caller_email(gcp: Gcp) -> str:
+    """The e-mail of the account the credentials belong to: a service account's own, else the
+    OpenID Connect userinfo answer (the token of `gcloud auth application-default login` carries the
+    userinfo.email scope)."""
+    from dtrain.control.gcp.auth import account_email
+
+    email = account_email(gcp.credentials)
+    if email:
+        return email
+    with gcp.errors("finding which account the Google credentials belong to"):
+        email = gcp.rest("openidconnect", "GET", "/v1/userinfo").get("email") or ""
+    if "@" not in email:
+        raise UserError(
+            "OS Login needs the e-mail of the account dtrain runs as, and the credentials do not tell it: "
+            "run gcloud auth application-default login again (its token carries the e-mail scope)"
+        )
+    return email
+
+
+@dataclasses.dataclass(frozen=True)
+class OsLoginKey:
+    """The cluster's key on an OS Login profile: whose (`user`, an e-mail), the POSIX user name the
+    nodes know them by, and the key's SHA-256 `fingerprint` (what names it to delete it; what is shown
+    instead of the key)."""
+
+    user: str
+    username: str
+    fingerprint: str
+
+
+def import_os_login_key(gcp: Gcp, public_key: str) -> OsLoginKey:
+    """Add the cluster's public key to the caller's OS Login profile (users.importSshPublicKey, with
+    the project so that a POSIX account exists there) and return the user name to log in as."""
+    user = caller_email(gcp)
+    key = public_key.strip()
+    with gcp.errors(f"adding the cluster's SSH key to the OS Login profile of {user}"):
+        body = gcp.rest(
+            "oslogin",
+            "POST",
+            f"/v1/users/{user}:importSshPublicKey",
+            params={"projectId": gcp.project},
+            json={"key": key},
+        )
+    profile = body.get("loginProfile") or {}
+    accounts = profile.get("posixAccounts") or []
+    account = next((a for a in accounts if a.get("accountId") == gcp.project), None)
+    account = account or next((a for a in accounts if a.get("primary")), None)
+    fingerprint = next(
+        (fp for fp, entry in (profile.get("sshPublicKeys") or {}).items() if (entry.get("key") or "").strip() == key),
+        "",
+    )
+    if account is None or not account.get("username") or not fingerprint:
+        raise UserError(
+            f"OS Login did not give {user} a POSIX account with the cluster's key in project {gcp.project}: "
+            "check that OS Login is allowed for your account (gcloud compute os-login describe-profile)"
+        )
+    return OsLoginKey(user=user, username=account["username"], fingerprint=fingerprint)
+
+
+def remove_os_login_key(gcp: Gcp, user: str, fingerprint: str) -> bool:
+    """Delete the cluster's key from `user`'s OS Login profile; False when it is already gone."""
+    from google.api_core import exceptions as gexc
+
+    with gcp.errors(f"removing the cluster's SSH key from the OS Login profile of {user}"):
+        try:
+            gcp.rest("oslogin", "DELETE", f"/v1/users/{user}/sshPublicKeys/{fingerprint}")
+        except gexc.NotFound:
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------

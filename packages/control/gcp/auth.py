@@ -60,6 +60,13 @@ def default_credentials(*, purpose: str = "") -> tuple[Any, str | None]:
         ) from None
 
 
+def account_email(credentials: Any) -> str | None:
+    """The e-mail the credentials name themselves, when they do (a service account's key or the
+    metadata server's account once refreshed); None for a user's credentials, which carry none."""
+    email = getattr(credentials, "service_account_email", None)
+    return email if isinstance(email, str) and "@" in email else None
+
+
 def access_token(credentials: Any, *, needed_for: str) -> str:
     """A fresh OAuth access token from `credentials` (never printed or logged)."""
     exceptions = google_module("auth.exceptions", needed_for=needed_for)

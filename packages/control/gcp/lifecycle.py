@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 
 READY_FILE = "/var/lib/dtrain/ready"
 READY_POLL_S = 10
+# How long a node's sshd may refuse the cluster's key before `up` stops waiting: the guest agent
+# installs a metadata key within seconds of sshd starting, so two minutes of refusals is not a slow
+# boot. (dtrain.control.ssh.explain words a refusal so; KEY_REFUSED is what it says.)
+KEY_REFUSED_S = 120.0
+KEY_REFUSED = "the SSH login was refused"
 Confirm = Callable[[str], bool]
 
 # The checkpoint bucket is infra/storage.tf's resource named `checkpoints`: forgotten before a destroy
@@ -44,8 +49,10 @@ Confirm = Callable[[str], bool]
 # adopts it again). Matched by name, whatever its type, so the tests' stand-in infra (terraform_data:
 # no google provider can be had there) is kept the same way.
 KEEP_NAME = "checkpoints"
+# Which key `up` put on an OS Login profile (whose, and its fingerprint), for `down` to take off.
+OS_LOGIN_FILE = "os_login.json"
 # What ends with the cluster under its config directory (the record goes through remove_record).
-CLUSTER_FILES = ("id_ed25519", "id_ed25519.pub", "known_hosts", "terraform.tfvars.json")
+CLUSTER_FILES = ("id_ed25519", "id_ed25519.pub", "known_hosts", "terraform.tfvars.json", OS_LOGIN_FILE)
 # A well-formed key that nobody holds: the derivation needs some key, and never deploys it.
 _PLACEHOLDER_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOCq6lYDCi2DbDjX7yU6Ac7nDnmrMYeBv3I2cLxGdGJk dtrain-plan"
 # A zone letter no region has, for the derivation before the zone is known (see derive).
@@ -139,12 +146,23 @@ def _quota_check(ctx: Context, derived: dict[str, Any], zone: str | None, existi
 
 
 @dataclasses.dataclass(frozen=True)
+class Access:
+    """How dtrain reaches the nodes: logging in through OS Login or with the cluster's key in instance
+    metadata; through IAP TCP forwarding (no external IPs) or directly."""
+
+    os_login: bool
+    iap: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class Checked:
-    """What preflight found: the report, the derivation, and what `up` must do about the bucket."""
+    """What preflight found: the report, the derivation, what `up` must do about the bucket, and how
+    it will reach the nodes."""
 
     report: PreflightReport
     derived: dict[str, Any]
     adopt_bucket: bool
+    access: Access
 
 
 def _preflight(ctx: Context, events: Events, rec: dict[str, Any] | None = None) -> Checked:
@@ -157,12 +175,105 @@ def _preflight(ctx: Context, events: Events, rec: dict[str, Any] | None = None) 
     derived = derive(ctx, zone)
     report = _quota_check(ctx, derived, zone, len(rec["nodes"]) if rec else 0)
     adopt_bucket = _checkpoint_bucket(ctx, report)
+    access = _access_check(ctx, report, derived) if report.zone else Access(os_login=False, iap=not s.external_ip)
     _report(report, events)
     if not report.ok:
-        raise UserError(report.problems[0], exit_code=ExitCode.FAILURE)
+        first = report.problems[0]
+        code = ExitCode.USAGE if first in report.config_problems else ExitCode.FAILURE
+        raise UserError(first, exit_code=code)
     if zone is None:
         events.info(f"zone {report.zone}: the first zone of {s.region} that qualifies (set zone = to choose)")
-    return Checked(report, derived, adopt_bucket)
+    return Checked(report, derived, adopt_bucket, access)
+
+
+def _access_check(ctx: Context, report: PreflightReport, derived: dict[str, Any]) -> Access:
+    """How dtrain will log in to the nodes and reach them, and whether it can: the organisation's
+    policies (OS Login required, external IPs denied), gcloud for IAP, the caller's permissions, the
+    OS Login API. Each problem is one line in the report, found before anything is created."""
+    from dtrain.control.gcp import api
+
+    s = ctx.spec
+    where = f"[clusters.{s.name}]"
+    required = _org_policy(ctx, report, api.REQUIRE_OS_LOGIN, "if it requires OS Login, set os_login = true")
+    os_login_required = required is not None and api.enforced(required)
+    if s.os_login is False and os_login_required:
+        _config_problem(
+            report,
+            f"the organisation policy {api.REQUIRE_OS_LOGIN} is enforced on project {ctx.project}: its VMs refuse "
+            f"SSH keys in instance metadata, which os_login = false asks for: remove os_login = false under {where} "
+            "(dtrain then adds the cluster's key to your OS Login profile)",
+        )
+    os_login = s.os_login is True or (s.os_login == "auto" and os_login_required)
+    why = f" ({api.REQUIRE_OS_LOGIN} is enforced)" if os_login_required else ""
+    report.passed.append(
+        f"login: OS Login{why}, the cluster's key on your profile"
+        if os_login
+        else "login: the cluster's own key, in instance metadata"
+    )
+
+    if s.external_ip:
+        hint = "if it denies external IPs, set external_ip = false"
+        policy = _org_policy(ctx, report, api.EXTERNAL_IP_ACCESS, hint)
+        denied = api.external_ip_denied(policy or {}, ctx.project, report.zone, derived["node_names"])
+        if denied:
+            _config_problem(
+                report,
+                f"the organisation policy {api.EXTERNAL_IP_ACCESS} denies an external IP to {', '.join(denied)} in "
+                f"project {ctx.project}: set external_ip = false under {where} (dtrain then reaches the nodes "
+                "through IAP, with gcloud)",
+            )
+    else:
+        from dtrain.control.backends.gcp import IAP_NEEDS_GCLOUD
+
+        gcloud = shutil.which("gcloud")
+        if gcloud is None:
+            _config_problem(report, f"external_ip = false under {where}: {IAP_NEEDS_GCLOUD}")
+        else:
+            report.passed.append(f"reach: IAP TCP forwarding, through {gcloud}")
+
+    wanted = [
+        p
+        for p, needed in (
+            ("compute.instances.osAdminLogin", os_login),
+            ("iap.tunnelInstances.accessViaIAP", not s.external_ip),
+        )
+        if needed
+    ]
+    try:
+        missing = api.missing_permissions(ctx.api, wanted)
+    except UserError as e:
+        missing = []
+        report.notes.append(f"could not check your permissions ({e})")
+    for permission in missing:
+        role = api.ACCESS_PERMISSIONS[permission]
+        _config_problem(
+            report,
+            f"you lack {permission} on project {ctx.project}, which logging in to the nodes needs: ask for {role} "
+            f"(gcloud projects add-iam-policy-binding {ctx.project} --member=user:YOU --role={role})",
+        )
+    if os_login:
+        off = api.disabled_services(ctx.api, ["oslogin.googleapis.com"])
+        if off:
+            _config_problem(report, api.enable_hint(ctx.project, off))
+    return Access(os_login=os_login, iap=not s.external_ip)
+
+
+def _org_policy(ctx: Context, report: PreflightReport, constraint: str, hint: str) -> dict[str, Any] | None:
+    """The organisation policy for `constraint`, or None with a note when it cannot be read (reading
+    needs orgpolicy.policy.get, which many users lack): dtrain then proceeds as if it were not set."""
+    from dtrain.control.gcp.api import effective_policy
+
+    try:
+        return effective_policy(ctx.api, constraint)
+    except UserError as e:
+        report.notes.append(f"could not read {constraint} ({e}); if your organisation sets it: {hint}")
+        return None
+
+
+def _config_problem(report: PreflightReport, problem: str) -> None:
+    """A problem the user fixes in dtrain.toml or the project (exit 2), not one that may pass (exit 1)."""
+    report.problems.append(problem)
+    report.config_problems.append(problem)
 
 
 def _services_check(ctx: Context, events: Events) -> None:
@@ -279,7 +390,7 @@ def up(
             f"to move it, dtrain down --cluster {s.name}, then dtrain up"
         )
     checked = _preflight(ctx, events, rec)
-    report, derived, adopt_bucket = checked.report, checked.derived, checked.adopt_bucket
+    report, derived, adopt_bucket, access = checked.report, checked.derived, checked.adopt_bucket, checked.access
     zone = report.zone  # no zone chosen: the first that qualifies
     zones = [zone] + [z for z in report.zones if z != zone]
 
@@ -289,6 +400,7 @@ def up(
         raise UserError("nothing created", exit_code=ExitCode.FAILURE)
 
     key = ensure_ssh_key(s.name)
+    login = _os_login_key(ctx, key, events) if access.os_login else None
     _ensure_state_bucket(ctx, events)
     tf = _terraform(ctx, zone, events, handle)
     tf.init(backend_config=_backend_config(ctx))
@@ -296,9 +408,15 @@ def up(
     for attempt, z in enumerate(zones):
         tf.context["zone"] = z
         public_key = key.with_suffix(".pub").read_text()
-        write_tfvars(
-            tfvars(s, project=ctx.project, zone=z, ssh_public_key=public_key, adopt_bucket=adopt_bucket), var_file
+        values = tfvars(
+            s,
+            project=ctx.project,
+            zone=z,
+            ssh_public_key=public_key,
+            adopt_bucket=adopt_bucket,
+            os_login=access.os_login,
         )
+        write_tfvars(values, var_file)
         try:
             _apply(tf, var_file, "apply", events)
             break
@@ -313,12 +431,43 @@ def up(
             zone = rest[0]
 
     rec = {**tf.output("cluster"), "backend": "gcp", "project": ctx.project}
+    if login is not None:  # the nodes know the user by the POSIX name OS Login gave, not infra's ssh_user
+        rec.update(ssh_user=login.username, os_login=True)
     path = write_record(rec)
     events.info(f"cluster record: {path}")
     from dtrain.control.backends import get
+    from dtrain.control.gcp.api import REQUIRE_OS_LOGIN
 
-    wait_ready(get("gcp").cluster(cfg), timeout=ready_timeout or s.ready_timeout, events=events, handle=handle)
+    if login is not None:
+        refused = (
+            f"check that you hold roles/compute.osAdminLogin on project {ctx.project} (OS Login user {login.username})"
+        )
+    else:
+        refused = (
+            f"if your organisation enforces OS Login ({REQUIRE_OS_LOGIN}), set os_login = true under "
+            f"[clusters.{s.name}] and run dtrain up again"
+        )
+    timeout = ready_timeout or s.ready_timeout
+    wait_ready(get("gcp").cluster(cfg), timeout=timeout, events=events, handle=handle, refused_hint=refused)
     return UpResult(record=rec, record_path=path, zone=zone)
+
+
+def _os_login_key(ctx: Context, key: Path, events: Events) -> Any:
+    """Put the cluster's public key on the caller's OS Login profile, and remember which key it was, so
+    that `down` takes it off again (the key dies with the cluster, as in instance metadata)."""
+    from dtrain.control.gcp.api import import_os_login_key
+    from dtrain.control.gcp.record import cluster_dir
+
+    login = import_os_login_key(ctx.api, key.with_suffix(".pub").read_text())
+    saved = cluster_dir(ctx.spec.name) / OS_LOGIN_FILE
+    saved.write_text(json.dumps(dataclasses.asdict(login), indent=2) + "\n")
+    saved.chmod(0o600)
+    # The fingerprint names the key; the key itself is never shown or logged.
+    events.info(
+        f"OS Login: the cluster's key (SHA-256 {login.fingerprint[:16]}...) is on the profile of {login.user}; "
+        f"the nodes know you as {login.username}"
+    )
+    return login
 
 
 def ensure_ssh_key(name: str) -> Path:
@@ -422,6 +571,20 @@ def _empty_bucket(ctx: Context, name: str) -> int:
     return removed
 
 
+def _remove_os_login_key(ctx: Context, events: Events) -> None:
+    """Take the key `up` put on an OS Login profile off it again (it dies with the cluster)."""
+    from dtrain.control.gcp.api import remove_os_login_key
+    from dtrain.control.gcp.record import cluster_dir
+
+    saved = cluster_dir(ctx.spec.name) / OS_LOGIN_FILE
+    if not saved.is_file():
+        return
+    login = json.loads(saved.read_text())
+    removed = remove_os_login_key(ctx.api, login["user"], login["fingerprint"])
+    state = "removed from" if removed else "already gone from"
+    events.check(f"OS Login: the cluster's key (SHA-256 {login['fingerprint'][:16]}...) {state} {login['user']}", True)
+
+
 def _find_zone(ctx: Context, rec: dict[str, Any] | None) -> str:
     """The cluster's zone for `down` when nothing on this machine says it: where its VMs are, else
     the region's first zone that is up (destroy works from the state; the variable must be valid)."""
@@ -455,28 +618,33 @@ def _checkpoint_bucket(ctx: Context, report: PreflightReport) -> bool:
         try:
             bucket = ctx.api.storage().lookup_bucket(name)
         except gexc.Forbidden:  # bucket names are global: another project has this one
-            report.problems.append(f"the bucket name gs://{name} belongs to someone else: {other}")
+            _config_problem(report, f"the bucket name gs://{name} belongs to someone else: {other}")
             return False
     if bucket is None:
         report.passed.append(f"checkpoint bucket gs://{name}: to be created")
         return False
     owner = (bucket.labels or {}).get(CLUSTER_LABEL)
     if owner != s.name:
-        report.problems.append(
-            f"gs://{name} exists but is not cluster {s.name}'s (label {CLUSTER_LABEL}={owner or '(none)'}): {other}"
+        _config_problem(
+            report,
+            f"gs://{name} exists but is not cluster {s.name}'s (label {CLUSTER_LABEL}={owner or '(none)'}): {other}",
         )
         return False
     report.passed.append(f"checkpoint bucket gs://{name}: kept by an earlier dtrain down, adopted with its data")
     return True
 
 
-def wait_ready(cluster: Cluster, *, timeout: float, events: Events, handle: Handle) -> None:
+def wait_ready(cluster: Cluster, *, timeout: float, events: Events, handle: Handle, refused_hint: str = "") -> None:
     """Until every node answers SSH and its startup script has written READY_FILE with ok, and
-    nvidia-smi lists the GPUs on GPU nodes; at most `timeout` seconds, then one line per late node."""
+    nvidia-smi lists the GPUs on GPU nodes; at most `timeout` seconds, then one line per late node.
+    A node whose sshd refuses the cluster's key for KEY_REFUSED_S ends the wait at once, with
+    `refused_hint` (a node that answers but refuses will not change its mind: an organisation's OS
+    Login policy, a key that did not reach it)."""
     from dtrain.control.ssh import SSH
 
     deadline = time.monotonic() + timeout
     pending = {n.name: "not checked yet" for n in cluster.nodes}
+    refused_since: dict[str, float] = {}
     # First contact: the VMs are new, their host keys unknown; accept-new still refuses a changed key.
     with SSH(cluster, accept_new_host_keys=True) as ssh:
         while pending:
@@ -485,8 +653,19 @@ def wait_ready(cluster: Cluster, *, timeout: float, events: Events, handle: Hand
                 if pending_reason is None:
                     del pending[node.name]
                     events.check(f"ready {node.name}", True)
+                    continue
+                pending[node.name] = pending_reason
+                if KEY_REFUSED in pending_reason:
+                    since = refused_since.setdefault(node.name, time.monotonic())
+                    if time.monotonic() - since >= KEY_REFUSED_S:
+                        hint = f": {refused_hint}" if refused_hint else ""
+                        raise UserError(
+                            f"node {node.name} answers SSH but has refused the cluster's key for "
+                            f"{KEY_REFUSED_S:.0f} s (user {node.user or 'default'}){hint}",
+                            exit_code=ExitCode.FAILURE,
+                        )
                 else:
-                    pending[node.name] = pending_reason
+                    refused_since.pop(node.name, None)
             if not pending:
                 break
             if time.monotonic() > deadline:
@@ -605,6 +784,7 @@ def down(
         state = f"gs://{ctx.spec.state_bucket_name(ctx.project)}/dtrain/{s.name}"
         events.info(f"no Terraform state at {state}: nothing for Terraform to destroy; sweeping")
 
+    _remove_os_login_key(ctx, events)
     leftovers = find_leftovers(ctx.api, s.region, s.name, include_buckets=delete_data)
     failed: list[str] = []
     if leftovers:
