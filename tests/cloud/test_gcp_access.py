@@ -281,3 +281,17 @@ def test_a_policy_dtrain_may_not_read_is_a_note_not_a_failure(cli, world):
         "orgpolicy.policy.get denied in project dtrain-test: ask for roles/orgpolicy.policyViewer" in r.stdout
     )
     assert "if your organisation sets it: if it requires OS Login, set os_login = true" in r.stdout
+
+
+def test_an_os_login_record_logs_in_as_its_user_and_runs_docker_with_sudo(tmp_path, monkeypatch):
+    # OS Login users get sudo (roles/compute.osAdminLogin) but are not in the node's docker group.
+    from dtrain.control.backends import get
+    from dtrain.control.settings import ClusterConfig
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    write_record(tmp_path, external_ip="34.1.2.3", internal_ip="10.42.0.2", user="dev_example_com", os_login=True)
+    table = {"project": PROJECT, "zone": ZONE, "ssh_source_ranges": ["203.0.113.7/32"]}
+    (node,) = get("gcp").cluster(ClusterConfig(backend="gcp", name="demo", spec=table)).nodes
+    assert (node.user, node.docker, node.destination, node.proxy_command) == (
+        "dev_example_com", "sudo docker", "dev_example_com@34.1.2.3", ""
+    )  # fmt: skip

@@ -9,7 +9,10 @@ Google itself:
 - Compute API: the stateful fake from tests/gcp (quota for preflight, instances for status and for
   the down sweep);
 - nodes: the multi-host test bed (network namespaces with real sshd), reached with the cluster's
-  own generated key; training is real torchrun + gloo across them, to the emulated bucket.
+  own generated key; training is real torchrun + gloo across them, to the emulated bucket;
+- a second `up` after `down` adopts the bucket `down` kept, and reaches nodes without external IPs
+  through IAP: a stand-in gcloud (tests/gcp/fake_gcloud.py) as ssh's ProxyCommand, relaying to the
+  address the Compute fake has for the VM.
 
 What this cannot show (the google provider creating VMs) is covered by tests/infra and documented
 in infra/README.md.

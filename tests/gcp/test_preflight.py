@@ -205,6 +205,13 @@ def test_boot_disks_count_against_ssd_total_gb(gcp, world):
     ]
 
 
+def test_a_disk_quota_the_region_does_not_list_is_said_not_guessed(gcp, world):
+    del world.regions[REGION]["quotas"]["SSD_TOTAL_GB"]
+    report = run(gcp, disk_gb_total=400)
+    assert report.ok, report.problems
+    assert "SSD_TOTAL_GB is not listed for us-central1: boot disk quota not checked" in report.notes
+
+
 def test_nodes_without_external_ips_need_no_address_quota(gcp, world):
     world.set_quota("IN_USE_ADDRESSES", 8, 8, region=REGION)
     assert run(gcp).problems[0].startswith("request IN_USE_ADDRESSES >= 12")

@@ -517,15 +517,20 @@ def preflight(
             report.notes.append(f"no PREEMPTIBLE_{metric} quota granted in {region}: spot VMs use {metric}")
         return metric
 
+    def check_listed(metric: str, needed: int, what: str, spot_variant: bool = False) -> None:
+        # A series' own quota that the region does not list is not taken as limit 0: that would refuse
+        # a cluster on a guess. It is said, and not checked.
+        if metric in regional:
+            check(spot_metric(metric) if spot_variant else metric, needed, regional, region)
+        elif needed > 0:
+            report.notes.append(f"{metric} is not listed for {region}: {what} quota not checked")
+
     cpu_metric = "CPUS" if machine_family in SHARED_CPU_QUOTA_SERIES else f"{machine_family.upper()}_CPUS"
-    if cpu_metric in regional:
-        check(spot_metric(cpu_metric), cpus_total, regional, region)
-    elif cpus_total > 0:
-        report.notes.append(f"{cpu_metric} is not listed for {region}: vCPU quota not checked")
+    check_listed(cpu_metric, cpus_total, "vCPU", spot_variant=True)
     check("INSTANCES", instances, regional, region)
     if external_ips:
         check("IN_USE_ADDRESSES", instances, regional, region)  # one external IP per node
-    check(DISK_QUOTA[disk_type], disk_gb_total, regional, region)
+    check_listed(DISK_QUOTA[disk_type], disk_gb_total, "boot disk")
     if accelerator and gpus_total > 0:
         metric = ACCELERATOR_QUOTA.get(accelerator)
         if metric is None:
