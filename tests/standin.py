@@ -4,12 +4,40 @@ the tests of `dtrain up` / `dtrain down` (tests/cloud, tests/cluster/test_gcp_li
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def fake_env(
+    cwd: Path, home: Path, *, compute: str | None, storage: str | None, infra: Path | None = None
+) -> dict[str, str]:
+    """The environment to run the CLI in against the fakes: the Compute fake at `compute` (which answers
+    Service Usage, Resource Manager, OS Login and userinfo too) and the storage emulator at `storage`
+    (None: Google's own endpoints), infra/ at `infra` (None: dtrain's own), config and cache under
+    `cwd`, and nothing of this machine's Google credentials or project."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTRAIN_")}
+    for name in ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT", "CLOUDSDK_CORE_PROJECT"):
+        env.pop(name, None)
+    env.update(
+        DTRAIN_OFFLINE="1",
+        XDG_CONFIG_HOME=str(cwd / "config"),
+        XDG_CACHE_HOME=str(cwd / "cache"),
+        HOME=str(home),  # no gcloud ADC file
+        NO_GCE_CHECK="True",  # google-auth: do not probe the GCE metadata server
+        COLUMNS="200",
+    )
+    if infra is not None:
+        env["DTRAIN_INFRA_DIR"] = str(infra)
+    if compute is not None:
+        env["DTRAIN_GCP_COMPUTE_ENDPOINT"] = env["DTRAIN_GCP_API_ENDPOINT"] = compute
+    if storage is not None:
+        env["DTRAIN_GCP_STORAGE_ENDPOINT"] = storage
+    return env
 
 
 # What the google provider does with a google_compute_instance, against whatever Compute endpoint

