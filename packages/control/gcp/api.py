@@ -194,9 +194,7 @@ class Gcp:
         url = (self.api_endpoint or REST_APIS[api]).rstrip("/") + path
         response = session.request(method, url, timeout=REQUEST_TIMEOUT_S, **kwargs)
         if response.status_code >= 400:
-            from google.api_core import exceptions as gexc
-
-            raise gexc.from_http_response(response)
+            raise google_module("api_core.exceptions").from_http_response(response)
         return response.json() if response.content else {}
 
     def rpc(self) -> dict[str, Any]:
@@ -725,7 +723,7 @@ def import_os_login_key(gcp: Gcp, public_key: str) -> OsLoginKey:
 
 def remove_os_login_key(gcp: Gcp, user: str, fingerprint: str) -> bool:
     """Delete the cluster's key from `user`'s OS Login profile; False when it is already gone."""
-    from google.api_core import exceptions as gexc
+    gexc = google_module("api_core.exceptions")
 
     with gcp.errors(f"removing the cluster's SSH key from the OS Login profile of {user}"):
         try:

@@ -22,6 +22,7 @@ MODULES = {
     "auth": "google.auth",
     "auth.exceptions": "google.auth.exceptions",
     "auth.requests": "google.auth.transport.requests",
+    "api_core.exceptions": "google.api_core.exceptions",
 }
 
 

@@ -607,9 +607,10 @@ def _checkpoint_bucket(ctx: Context, report: PreflightReport) -> bool:
     """Whether the checkpoint bucket exists and is this cluster's, kept by `dtrain down`: Terraform then
     adopts it (infra's adopt_bucket) instead of creating it, which GCS would answer with 409. A bucket
     of that name that is not the cluster's is a problem now rather than mid-apply."""
-    from google.api_core import exceptions as gexc
-
     from dtrain.control.gcp.api import CLUSTER_LABEL
+    from dtrain.control.gcp.auth import google_module
+
+    gexc = google_module("api_core.exceptions")
 
     s = ctx.spec
     name = s.bucket_name(ctx.project)
