@@ -102,7 +102,8 @@ def status(cluster: o.Cluster = None, json_out: o.Json = False) -> None:
         return
     if not st.nodes:
         up_hint = "the record says it is up: its VMs are gone (run dtrain down)" if st.recorded else "it is down"
-        console.out.print(f"cluster {st.cluster}: no instances in {st.zone} ({up_hint})")
+        where = st.zone or f"any zone of {st.region}"
+        console.out.print(f"cluster {st.cluster}: no instances in {where} ({up_hint})")
         return
     from rich.table import Table
 

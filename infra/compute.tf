@@ -1,7 +1,7 @@
 resource "google_compute_instance" "node" {
   #checkov:skip=CKV_GCP_38:Boot disks use Google-managed encryption; customer-supplied keys would have to be kept by the user for short-lived training nodes whose data lives in the bucket.
   #checkov:skip=CKV_GCP_40:external_ip (default true) gives direct SSH from ssh_source_ranges only; set external_ip = false for internal-only nodes reached through IAP.
-  #checkov:skip=CKV_GCP_34:enable-oslogin is set to FALSE on purpose: access is by the cluster's own key in instance metadata (infra/README.md, docs/decisions.md); project-level OS Login would make sshd ignore that key.
+  #checkov:skip=CKV_GCP_34:enable-oslogin is FALSE unless os_login: access is by the cluster's own key in instance metadata (infra/README.md, docs/decisions.md), which project-level OS Login would make sshd ignore; organisations that require OS Login get os_login = true (dtrain sets it), and the key goes to the user's OS Login profile instead.
   for_each = module.plan.nodes
 
   name         = each.key
@@ -67,13 +67,15 @@ resource "google_compute_instance" "node" {
 
   metadata = {
     # The per-cluster key dtrain generated; project-wide keys and OS Login are switched off so
-    # exactly this key (and nothing else) logs in as ssh_user.
-    "ssh-keys"               = "${var.ssh_user}:${trimspace(var.ssh_public_key)}"
+    # exactly this key (and nothing else) logs in as ssh_user. With os_login (an organisation that
+    # enforces constraints/compute.requireOsLogin) sshd ignores metadata keys: the key is on the
+    # user's OS Login profile instead, and none is put here.
+    "ssh-keys"               = var.os_login ? "" : "${var.ssh_user}:${trimspace(var.ssh_public_key)}"
     "block-project-ssh-keys" = true
-    "enable-oslogin"         = "FALSE"
+    "enable-oslogin"         = var.os_login ? "TRUE" : "FALSE"
     # The startup script reports readiness as the guest attribute dtrain/ready.
     "enable-guest-attributes" = "TRUE"
-    "startup-script"          = file("${path.module}/../docker/node-startup.sh")
+    "startup-script"          = file("${path.module}/node-startup.sh")
     "dtrain-ssh-user"         = var.ssh_user
     "dtrain-gpus"             = tostring(module.plan.gpus)
     "dtrain-registry-host"    = local.registry_host

@@ -37,6 +37,16 @@ resource "google_storage_bucket" "checkpoints" {
   }
 }
 
+# A bucket `dtrain down` kept (it holds the checkpoints) is adopted, not created again: GCS answers
+# 409 "you already own it" to a create of a bucket that exists. `dtrain up` sets adopt_bucket when
+# it finds the bucket labelled with this cluster's name; set it yourself after a `dtrain down`. An
+# import block does nothing for a resource already in the state, so leaving it true is harmless.
+import {
+  for_each = var.adopt_bucket ? toset([module.plan.bucket_name]) : toset([])
+  to       = google_storage_bucket.checkpoints
+  id       = each.value
+}
+
 resource "google_artifact_registry_repository" "images" {
   #checkov:skip=CKV_GCP_84:Images are encrypted at rest with Google-managed keys; a KMS key per short-lived cluster adds key management for images that hold code, not data.
   location      = var.region

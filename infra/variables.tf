@@ -199,7 +199,14 @@ variable "ssh_public_key" {
   description = "OpenSSH public key of the cluster (one line, e.g. \"ssh-ed25519 AAAA... dtrain-demo\"); dtrain generates one per cluster."
   validation {
     condition     = can(regex("^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp(256|384|521)|sk-ssh-ed25519@openssh\\.com|sk-ecdsa-sha2-nistp256@openssh\\.com) AAAA[A-Za-z0-9+/]+={0,3}( [^\\r\\n]*)?$", trimspace(var.ssh_public_key)))
-    error_message = "ssh_public_key must be one OpenSSH public key line: <type> <base64> [comment], e.g. ssh-ed25519 AAAAC3... dtrain."
+    error_message = "ssh_public_key must be one OpenSSH public key line: <type> <base64> [comment], e.g. ssh-ed25519 AAAAC3... dtrain. Paste the .pub file of the cluster's own key (ssh-keygen -t ed25519 -f ~/.ssh/dtrain-demo -N \"\"), not the example's placeholder."
+  }
+  # An ed25519 public key is always 51 bytes (type, then 32 key bytes), 68 base64 characters: a
+  # made-up key such as an example's placeholder passes the pattern above but not this, and would
+  # deploy a key nobody holds.
+  validation {
+    condition     = !startswith(trimspace(var.ssh_public_key), "ssh-ed25519 ") || can(regex("^ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAI[A-Za-z0-9+/]{43}( [^\\r\\n]*)?$", trimspace(var.ssh_public_key)))
+    error_message = "ssh_public_key is not a real ed25519 public key (its base64 part must be the 68 characters ssh-keygen writes): paste the .pub file of the cluster's own key (ssh-keygen -t ed25519 -f ~/.ssh/dtrain-demo -N \"\"), not a placeholder."
   }
 }
 
@@ -254,6 +261,18 @@ variable "force_destroy" {
   type        = bool
   default     = false
   description = "Let `terraform destroy` delete the checkpoint bucket while it still holds objects. Off by default: checkpoints outlive the cluster unless you opt in."
+}
+
+variable "os_login" {
+  type        = bool
+  default     = false
+  description = "Log in through OS Login instead of the cluster's key in instance metadata: for organisations that enforce constraints/compute.requireOsLogin. dtrain up sets it there and adds the key to your OS Login profile; by hand, use gcloud compute ssh (roles/compute.osAdminLogin)."
+}
+
+variable "adopt_bucket" {
+  type        = bool
+  default     = false
+  description = "The checkpoint bucket already exists (`dtrain down` keeps it, taking it out of the state): import it instead of creating it. dtrain up sets it when it finds the bucket labelled with this cluster's name."
 }
 
 variable "observability_roles" {

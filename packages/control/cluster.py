@@ -35,6 +35,7 @@ class Node:
     interface: str = ""  # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME for this node
     ssh_host: str = ""  # where to SSH to when it is not `address` (a public IP, a ~/.ssh/config alias)
     docker: str = "docker"  # the Docker CLI on the node (container mode), e.g. "sudo docker"
+    proxy_command: str = ""  # ssh's ProxyCommand to reach it (a gcp node without an external IP: IAP)
 
     @property
     def destination(self) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 
 from dtrain.common.errors import ExitCode, UserError
 from dtrain.control import backends
-from dtrain.control.assets import source_root
+from dtrain.control.assets import build_context
 from dtrain.control.events import Events, Handle
 
 IMAGE_NAMES = {False: "dtrain-train", True: "dtrain-train-gpu"}
@@ -132,8 +132,9 @@ def remember_image(cluster: str, ref: str, gpu: bool, events: Events) -> bool:
 
 
 def find_context(given: Path | None) -> Path:
-    """The dtrain checkout: --context, else the one this CLI runs from, else the working directory."""
-    candidates = [given] if given else [source_root(), Path.cwd()]
+    """The dtrain checkout: --context, else the one this CLI runs from (an installed wheel's own copy of
+    its build files), else the working directory."""
+    candidates = [given] if given else [build_context(), Path.cwd()]
     for c in candidates:
         if c is not None and (c / DOCKERFILES[False]).is_file():
             return c.resolve()

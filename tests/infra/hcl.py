@@ -15,7 +15,7 @@ import hcl2
 REPO = Path(__file__).resolve().parents[2]
 INFRA = REPO / "infra"
 PLAN = INFRA / "modules" / "plan"
-STARTUP_SCRIPT = REPO / "docker" / "node-startup.sh"
+STARTUP_SCRIPT = INFRA / "node-startup.sh"
 
 
 def unquote(s: str) -> str:
@@ -43,6 +43,7 @@ class Module:
         self.locals: dict[str, Any] = {}
         self.modules: dict[str, dict] = {}
         self.terraform: list[dict] = []
+        self.imports: list[dict] = []
         self.text = ""
         for path in sorted(directory.glob("*.tf")):
             text = path.read_text()
@@ -61,6 +62,7 @@ class Module:
             for block in doc.get("module", []):
                 self.modules.update(block)
             self.terraform.extend(doc.get("terraform", []))
+            self.imports.extend(doc.get("import", []))
 
     def resource(self, rtype: str, name: str) -> dict:
         assert (rtype, name) in self.resources, f"{self.directory}: no resource {rtype}.{name}"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from .hcl import INFRA, PLAN, REPO, Module, block
+from .hcl import INFRA, PLAN, Module, block
 
 # Resource types of the root module that take labels, and those that do not (GCP has no labels on
 # networks, subnets, firewalls, routers, service accounts or IAM bindings). A new resource type must
@@ -37,7 +37,7 @@ TAG = "${module.plan.network_tag}"
 IAP_RANGE = "35.235.240.0/20"
 NODE_KEYS = {"name", "role", "internal_ip", "external_ip", "gpus", "accelerator", "machine_type"}
 RECORD_KEYS = {"name", "project", "region", "zone", "bucket", "registry", "ssh_user", "nodes"}
-ROOT_ONLY_VARIABLES = {"force_destroy", "observability_roles"}
+ROOT_ONLY_VARIABLES = {"force_destroy", "observability_roles", "adopt_bucket", "os_login"}
 
 
 @pytest.fixture(scope="module")
@@ -146,11 +146,14 @@ def check_service_account(root: Module, plan: Module) -> None:
 def check_ssh_metadata(root: Module, plan: Module) -> None:
     metadata = root.resource("google_compute_instance", "node")["metadata"]
     assert metadata["block-project-ssh-keys"] is True
-    assert metadata["ssh-keys"] == "${var.ssh_user}:${trimspace(var.ssh_public_key)}"
-    assert metadata["enable-oslogin"] == "FALSE"
+    # The cluster's key in metadata and OS Login off, unless os_login: then the key is on the user's
+    # OS Login profile and sshd would ignore metadata keys anyway.
+    assert metadata["ssh-keys"] == '${var.os_login ? "" : "${var.ssh_user}:${trimspace(var.ssh_public_key)}"}'
+    assert metadata["enable-oslogin"] == '${var.os_login ? "TRUE" : "FALSE"}'
+    assert root.variables["os_login"]["default"] is False
     assert metadata["enable-guest-attributes"] == "TRUE"
-    assert metadata["startup-script"] == '${file("${path.module}/../docker/node-startup.sh")}'
-    assert (INFRA / "../docker/node-startup.sh").resolve().is_file()
+    assert metadata["startup-script"] == '${file("${path.module}/node-startup.sh")}'
+    assert (root.directory / "node-startup.sh").is_file(), "infra/ must hold its startup script (self-contained)"
 
 
 def check_shielded_vm(root: Module, plan: Module) -> None:
@@ -174,6 +177,15 @@ def check_bucket(root: Module, plan: Module) -> None:
     assert len(noncurrent) == 1 and block(noncurrent[0], "action") == {"type": "Delete"}
     assert block(noncurrent[0], "condition")["days_since_noncurrent_time"] == "${var.bucket_lifecycle_days}"
     assert bucket["name"] == "${module.plan.bucket_name}"
+    # A bucket `dtrain down` kept is imported (adopted) when adopt_bucket, never created again.
+    assert root.imports == [
+        {
+            "for_each": "${var.adopt_bucket ? toset([module.plan.bucket_name]) : toset([])}",
+            "to": "${google_storage_bucket.checkpoints}",
+            "id": "${each.value}",
+        }
+    ], root.imports
+    assert root.variables["adopt_bucket"]["default"] is False
 
 
 def check_network(root: Module, plan: Module) -> None:
@@ -277,6 +289,12 @@ MUTATIONS = [
     ("compute.tf", '"block-project-ssh-keys" = true', '"block-project-ssh-keys" = false', check_ssh_metadata),
     (
         "compute.tf",
+        'file("${path.module}/node-startup.sh")',
+        'file("${path.module}/../docker/node-startup.sh")',
+        check_ssh_metadata,
+    ),
+    (
+        "compute.tf",
         "email  = google_service_account.node.email",
         'email  = "123-compute@developer.gserviceaccount.com"',
         check_service_account,
@@ -286,6 +304,12 @@ MUTATIONS = [
         "on_host_maintenance         = module.plan",
         'on_host_maintenance         = "MIGRATE"\n    x = module.plan',
         check_gpu_scheduling,
+    ),
+    (
+        "storage.tf",
+        "to       = google_storage_bucket.checkpoints",
+        "to       = google_storage_bucket.other",
+        check_bucket,
     ),
     (
         "storage.tf",
@@ -300,7 +324,6 @@ MUTATIONS = [
 def test_checks_catch_mutations(tmp_path: Path, plan: Module, filename: str, old: str, new: str, check):
     copy = tmp_path / "infra"
     shutil.copytree(INFRA, copy, ignore=shutil.ignore_patterns(".terraform", "modules"))
-    shutil.copytree(REPO / "docker", tmp_path / "docker")
     path = copy / filename
     text = path.read_text()
     assert old in text, f"mutation target {old!r} not found in {filename}; update the test"

@@ -1,4 +1,4 @@
-"""docker/node-startup.sh: syntax, shellcheck, and real runs against stub commands.
+"""infra/node-startup.sh: syntax, shellcheck, and real runs against stub commands.
 
 The stubs stand in for the metadata server (curl), docker, the NVIDIA tools, systemd, apt and the
 user database, so the script's decisions and its readiness report are checked without root or a VM.

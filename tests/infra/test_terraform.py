@@ -93,8 +93,10 @@ def test_plan_module_test_can_fail(tmp_path: Path):
     assert "l4_on_n1_refused" in failed, failed
 
 
-def test_example_tfvars_plans(tmp_path: Path):
-    # terraform.tfvars.example (over the root defaults) must pass every validation and precondition.
+def test_example_tfvars_plans_once_its_key_is_real(tmp_path: Path):
+    # terraform.tfvars.example (over the root defaults) passes every validation and precondition but
+    # one: its ssh_public_key placeholder is refused, so an unedited copy deploys nothing. With a
+    # real key pasted in, it plans.
     import hcl2
 
     from .hcl import Module, normalise
@@ -112,14 +114,29 @@ def test_example_tfvars_plans(tmp_path: Path):
     shutil.copytree(PLAN, work, ignore=shutil.ignore_patterns(".terraform", "tests"))
     (work / "tests").mkdir()
     lines = [f"  {name} = {json.dumps(values[name])}" for name in sorted(plan_vars)]
+    key = real_public_key(tmp_path)
     (work / "tests" / "example.tftest.hcl").write_text(
         "variables {\n" + "\n".join(lines) + "\n}\n\n"
-        'run "example" {\n  command = plan\n'
+        'run "example_as_shipped" {\n  command = plan\n  expect_failures = [var.ssh_public_key]\n}\n\n'
+        f'run "example_with_a_real_key" {{\n  command = plan\n  variables {{\n    ssh_public_key = "{key}"\n  }}\n'
         '  assert {\n    condition     = output.machine_type == "g2-standard-8"\n'
         '    error_message = "the example should derive g2-standard-8"\n  }\n}\n'
     )
     tf = TerraformCommand(cwd=str(work))
     assert tf.init(backend=False).retcode == 0
     result = tf.test()
-    errors = [m["diagnostic"] for m in _messages(result.value) if m.get("@level") == "error" and "diagnostic" in m]
+    messages = _messages(result.value)
+    errors = [m["diagnostic"] for m in messages if m.get("@level") == "error" and "diagnostic" in m]
     assert result.retcode == 0 and not errors, errors
+    runs = [m["test_run"] for m in messages if m.get("type") == "test_run"]
+    passed = {r["run"] for r in runs if r.get("status") == "pass"}
+    assert passed == {"example_as_shipped", "example_with_a_real_key"}, passed
+
+
+def real_public_key(where: Path) -> str:
+    """A freshly generated ed25519 public key line (the private half stays in `where`)."""
+    import subprocess
+
+    key = where / "id_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "test", "-f", str(key)], check=True)
+    return key.with_suffix(".pub").read_text().strip()

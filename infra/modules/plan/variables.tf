@@ -1,5 +1,5 @@
-# The same inputs as the root module (infra/variables.tf), minus the two only provider resources
-# use (force_destroy, observability_roles), and without defaults: the root owns the defaults.
+# The same inputs as the root module (infra/variables.tf), minus those only provider resources use
+# (force_destroy, observability_roles, adopt_bucket, os_login), and without defaults: the root owns them.
 # Single-variable checks are validations, identical here and in the root (tests/infra checks that
 # every root validation appears here, so `terraform test` exercises the root's rules); rules that
 # involve several variables are the terraform_data preconditions in main.tf.
@@ -177,7 +177,14 @@ variable "ssh_public_key" {
   description = "OpenSSH public key of the cluster (one line, e.g. \"ssh-ed25519 AAAA... dtrain-demo\"); dtrain generates one per cluster."
   validation {
     condition     = can(regex("^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp(256|384|521)|sk-ssh-ed25519@openssh\\.com|sk-ecdsa-sha2-nistp256@openssh\\.com) AAAA[A-Za-z0-9+/]+={0,3}( [^\\r\\n]*)?$", trimspace(var.ssh_public_key)))
-    error_message = "ssh_public_key must be one OpenSSH public key line: <type> <base64> [comment], e.g. ssh-ed25519 AAAAC3... dtrain."
+    error_message = "ssh_public_key must be one OpenSSH public key line: <type> <base64> [comment], e.g. ssh-ed25519 AAAAC3... dtrain. Paste the .pub file of the cluster's own key (ssh-keygen -t ed25519 -f ~/.ssh/dtrain-demo -N \"\"), not the example's placeholder."
+  }
+  # An ed25519 public key is always 51 bytes (type, then 32 key bytes), 68 base64 characters: a
+  # made-up key such as an example's placeholder passes the pattern above but not this, and would
+  # deploy a key nobody holds.
+  validation {
+    condition     = !startswith(trimspace(var.ssh_public_key), "ssh-ed25519 ") || can(regex("^ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAI[A-Za-z0-9+/]{43}( [^\\r\\n]*)?$", trimspace(var.ssh_public_key)))
+    error_message = "ssh_public_key is not a real ed25519 public key (its base64 part must be the 68 characters ssh-keygen writes): paste the .pub file of the cluster's own key (ssh-keygen -t ed25519 -f ~/.ssh/dtrain-demo -N \"\"), not a placeholder."
   }
 }
 

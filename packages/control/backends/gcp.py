@@ -4,6 +4,8 @@ dtrain.control.gcp.lifecycle."""
 
 from __future__ import annotations
 
+import shlex
+import shutil
 from typing import TYPE_CHECKING, Any
 
 from dtrain.common.errors import UserError
@@ -25,6 +27,42 @@ def _built_image(name: str) -> str:
         return (cluster_dir(name) / "image").read_text().strip()
     except FileNotFoundError:
         return ""
+
+
+# What a cluster without external IPs needs on this machine (preflight says it too, before `up`).
+IAP_NEEDS_GCLOUD = (
+    "dtrain reaches nodes without external IPs through IAP TCP forwarding, which needs the Google Cloud CLI: "
+    "install gcloud (https://cloud.google.com/sdk/docs/install) and run gcloud auth login, or set external_ip = true"
+)
+
+
+def _reach(rec: dict[str, Any], node: dict[str, Any]) -> dict[str, str]:
+    """How SSH reaches a node: its external IP; without one, IAP TCP forwarding through gcloud, to the
+    node by name (which is also how its host key is remembered)."""
+    if node["external_ip"]:
+        return {"ssh_host": node["external_ip"]}
+    gcloud = shutil.which("gcloud")
+    if gcloud is None:
+        raise UserError(f"cluster {rec['name']!r}: node {node['name']} has no external IP, and {IAP_NEEDS_GCLOUD}")
+    return {"ssh_host": node["name"], "proxy_command": iap_proxy_command(gcloud, rec, node["name"])}
+
+
+def iap_proxy_command(gcloud: str, rec: dict[str, Any], name: str) -> str:
+    """ssh's ProxyCommand for a node without an external IP: gcloud's IAP tunnel to its port (ssh puts
+    the port in for %p), on stdin and stdout (cloud.google.com/iap/docs/using-tcp-forwarding)."""
+    return shlex.join(
+        [
+            gcloud,
+            "compute",
+            "start-iap-tunnel",
+            name,
+            "%p",
+            "--listen-on-stdin",
+            *([f"--project={rec['project']}"] if rec.get("project") else []),
+            f"--zone={rec['zone']}",
+            "--verbosity=warning",
+        ]
+    )
 
 
 class Gcp:
@@ -55,15 +93,19 @@ class Gcp:
         key = key_path(name)
         if not key.is_file():
             raise UserError(f"cluster {name!r}: its SSH key {key} is missing: run dtrain up --cluster {name} again")
+        # OS Login users get sudo (roles/compute.osAdminLogin) but no place in the docker group, which
+        # the startup script gives only the local ssh_user.
+        docker = {"docker": "sudo docker"} if rec.get("os_login") else {}
         nodes = tuple(
             Node(
                 name=n["name"],
                 address=n["internal_ip"],
-                ssh_host=n["external_ip"] or n["internal_ip"],
                 user=rec["ssh_user"],
                 key=str(key),
                 gpus=n["gpus"],
                 master=n["role"] == "master",
+                **_reach(rec, n),
+                **docker,
                 **{k: n[k] for k in RECORD_NODE_OVERRIDES if n.get(k)},
             )
             for n in sorted(rec["nodes"], key=lambda n: n["role"] != "master")

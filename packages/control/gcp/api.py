@@ -45,6 +45,23 @@ RETRY_DEADLINE_S = 30.0
 
 REGION_RE = re.compile(r"[a-z]+(?:-[a-z0-9]+)+")
 
+# Google REST APIs dtrain calls without a client library (a few calls each; Gcp.rest), by name. With
+# DTRAIN_GCP_API_ENDPOINT every one of them is asked at that one base URL instead (the tests' fake).
+REST_APIS = {
+    "serviceusage": "https://serviceusage.googleapis.com",
+    "cloudresourcemanager": "https://cloudresourcemanager.googleapis.com",
+    "oslogin": "https://oslogin.googleapis.com",
+    "openidconnect": "https://openidconnect.googleapis.com",
+}
+# What every cluster needs enabled before anything is created (infra/: VMs and networks, the
+# checkpoint bucket, the image repository, the nodes' service account and its grants).
+REQUIRED_SERVICES = (
+    "compute.googleapis.com",
+    "storage.googleapis.com",
+    "artifactregistry.googleapis.com",
+    "iam.googleapis.com",
+)
+
 # Accelerator type (as in --accelerator / the zone's acceleratorTypes) -> regional quota metric.
 # The spot variant is the same metric with PREEMPTIBLE_ in front.
 ACCELERATOR_QUOTA = {
@@ -59,6 +76,14 @@ ACCELERATOR_QUOTA = {
     "nvidia-h100-mega-80gb": "NVIDIA_H100_MEGA_GPUS",
 }
 
+# Machine series whose vCPUs count against the regional CPUS quota. Every other series has a vCPU
+# quota of its own, <SERIES>_CPUS (G2 machine types: G2_CPUS; N2: N2_CPUS). docs/decisions.md,
+# "Preflight: the quotas a cluster draws on", cites Google's pages.
+SHARED_CPU_QUOTA_SERIES = ("e2", "n1", "f1", "g1")
+# pd-balanced (dtrain's boot disks) and pd-ssd count against SSD_TOTAL_GB; pd-standard against
+# DISKS_TOTAL_GB (same decision).
+DISK_QUOTA = {"pd-balanced": "SSD_TOTAL_GB", "pd-ssd": "SSD_TOTAL_GB", "pd-standard": "DISKS_TOTAL_GB"}
+
 # IAM roles to suggest for a missing permission, by the permission's prefix (first match wins).
 ROLE_FOR_PERMISSION = (
     ("compute.firewalls.", "roles/compute.securityAdmin"),
@@ -70,7 +95,17 @@ ROLE_FOR_PERMISSION = (
     ("compute.", "roles/compute.viewer"),
     ("storage.", "roles/storage.admin"),
     ("serviceusage.", "roles/serviceusage.serviceUsageConsumer"),
+    ("orgpolicy.", "roles/orgpolicy.policyViewer"),
+    ("iap.tunnelInstances.", "roles/iap.tunnelResourceAccessor"),
 )
+# The permissions a way of logging in needs, and the role that grants each (Google's predefined
+# roles: OS Login with sudo, which `sudo docker` needs; IAP-secured Tunnel User).
+ACCESS_PERMISSIONS = {
+    "compute.instances.osAdminLogin": "roles/compute.osAdminLogin",
+    "iap.tunnelInstances.accessViaIAP": "roles/iap.tunnelResourceAccessor",
+}
+REQUIRE_OS_LOGIN = "constraints/compute.requireOsLogin"
+EXTERNAL_IP_ACCESS = "constraints/compute.vmExternalIpAccess"
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,11 +126,13 @@ class Gcp:
         *,
         endpoint: str | None = None,
         storage_endpoint: str | None = None,
+        api_endpoint: str | None = None,
     ) -> None:
         self.project = project
         self.credentials = credentials
         self.endpoint = endpoint
         self.storage_endpoint = storage_endpoint
+        self.api_endpoint = api_endpoint
         self._clients: dict[str, Any] = {}
 
     @classmethod
@@ -105,6 +142,7 @@ class Gcp:
         *,
         endpoint: str | None = None,
         storage_endpoint: str | None = None,
+        api_endpoint: str | None = None,
         credentials: Any = None,
         cluster: str = "NAME",
     ) -> Gcp:
@@ -121,7 +159,9 @@ class Gcp:
                 f'no Google Cloud project: set project = "..." under [clusters.{cluster}] in dtrain.toml, '
                 "or export GOOGLE_CLOUD_PROJECT=..."
             )
-        return cls(project, credentials, endpoint=endpoint, storage_endpoint=storage_endpoint)
+        return cls(
+            project, credentials, endpoint=endpoint, storage_endpoint=storage_endpoint, api_endpoint=api_endpoint
+        )
 
     def compute(self, name: str) -> Any:
         """A compute_v1 client by class name ("InstancesClient", "RegionsClient", ...)."""
@@ -141,6 +181,21 @@ class Gcp:
             client = storage.Client(project=self.project, credentials=self.credentials, client_options=options)
             self._clients["storage"] = client
         return client
+
+    def rest(self, api: str, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        """One call to a Google REST API that has no client library among dtrain's dependencies
+        (REST_APIS), with the credentials; an error answer is raised as the google.api_core exception
+        the client libraries raise, so `errors` maps it like any other. `kwargs` go to requests
+        (params, json)."""
+        session = self._clients.get("rest")
+        if session is None:
+            session = google_module("auth.requests").AuthorizedSession(self.credentials)
+            self._clients["rest"] = session
+        url = (self.api_endpoint or REST_APIS[api]).rstrip("/") + path
+        response = session.request(method, url, timeout=REQUEST_TIMEOUT_S, **kwargs)
+        if response.status_code >= 400:
+            raise google_module("api_core.exceptions").from_http_response(response)
+        return response.json() if response.content else {}
 
     def rpc(self) -> dict[str, Any]:
         """Per-call options for Compute requests: a timeout, and retries of transient errors (503,
@@ -223,10 +278,7 @@ def api_error(exc: BaseException, *, project: str, doing: str, endpoint: str | N
 
     if reasons & {"SERVICE_DISABLED", "accessNotConfigured"} or "has not been used in project" in message:
         api = (getattr(exc, "metadata", None) or {}).get("service") or "compute.googleapis.com"
-        return UserError(
-            f"{_API_NAMES.get(api, api)} is not enabled in project {project}: "
-            f"gcloud services enable {api} --project {project}"
-        )
+        return UserError(enable_hint(project, [api]))
     if reasons & {"RATE_LIMIT_EXCEEDED", "rateLimitExceeded", "userRateLimitExceeded"} or code == 429:
         return UserError(
             f"{where}API rate limit reached in project {project} ({message}): wait a minute and run it again",
@@ -277,6 +329,11 @@ _API_NAMES = {
     "compute.googleapis.com": "Compute Engine API",
     "storage.googleapis.com": "Cloud Storage API",
     "storage-api.googleapis.com": "Cloud Storage API",
+    "artifactregistry.googleapis.com": "Artifact Registry API",
+    "iam.googleapis.com": "IAM API",
+    "serviceusage.googleapis.com": "Service Usage API",
+    "cloudresourcemanager.googleapis.com": "Cloud Resource Manager API",
+    "oslogin.googleapis.com": "OS Login API",
 }
 
 
@@ -295,7 +352,9 @@ def _first_line(text: str, limit: int = 200) -> str:
 def _permission_in(message: str) -> str | None:
     # A permission is service.resource.verb; not a piece of an e-mail or a host name.
     m = re.search(
-        r"(?<![\w@.-])((?:compute|storage|serviceusage|iam|resourcemanager)\.[A-Za-z]+\.[A-Za-z]+)(?![\w.])", message
+        r"(?<![\w@.-])((?:compute|storage|serviceusage|iam|resourcemanager|orgpolicy|oslogin|iap)\.[A-Za-z]+\.[A-Za-z]+)"
+        r"(?![\w.])",
+        message,
     )
     return m.group(1) if m else None
 
@@ -360,6 +419,8 @@ class PreflightReport:
     zones: list[str] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    passed: list[str] = dataclasses.field(default_factory=list)  # other checks that passed, one line each
+    config_problems: list[str] = dataclasses.field(default_factory=list)  # of `problems`: fixed in the config
 
     @property
     def ok(self) -> bool:
@@ -371,7 +432,28 @@ class PreflightReport:
         if self.accelerator:
             offered = ", ".join(self.zones) or "none"
             lines.append(f"{self.accelerator} offered in {self.region}: {offered}")
-        return lines + self.notes
+        return lines + self.passed + self.notes
+
+
+def disabled_services(gcp: Gcp, services: Iterable[str]) -> list[str]:
+    """Which of `services` are not enabled in the project, in their order: one Service Usage call
+    (services.batchGet, at most 30 names; gcloud passes the project id as the parent too)."""
+    wanted = list(services)
+    names = [f"projects/{gcp.project}/services/{s}" for s in wanted]
+    with gcp.errors("checking which APIs the project has enabled"):
+        body = gcp.rest("serviceusage", "GET", f"/v1/projects/{gcp.project}/services:batchGet", params={"names": names})
+    # The answer names the project by number: match on the service's own name.
+    state = {item.get("name", "").rsplit("/", 1)[-1]: item.get("state") for item in body.get("services", [])}
+    return [s for s in wanted if state.get(s) != "ENABLED"]
+
+
+def enable_hint(project: str, services: Iterable[str]) -> str:
+    """The one line that says which APIs are off and how to turn them on."""
+    services = list(services)
+    names = ", ".join(_API_NAMES.get(s, s) for s in services)
+    verb = "is" if len(services) == 1 else "are"
+    command = f"gcloud services enable {' '.join(services)} --project {project}"
+    return f"{names} {verb} not enabled in project {project}: {command}"
 
 
 def _num(x: float) -> str:
@@ -381,7 +463,7 @@ def _num(x: float) -> str:
 def preflight(
     gcp: Gcp,
     region: str,
-    zone: str,
+    zone: str | None,
     accelerator: str | None,
     gpus_total: int,
     cpus_total: int,
@@ -389,12 +471,18 @@ def preflight(
     instances: int,
     *,
     gpus_per_instance: int | None = None,
+    machine_family: str = "n1",
+    disk_gb_total: int = 0,
+    disk_type: str = "pd-balanced",
+    external_ips: bool = True,
 ) -> PreflightReport:
-    """Check, before `terraform apply`, that the cluster fits: the regional GPU, CPU, address and
-    instance quotas, GPUS_ALL_REGIONS, that `zone` is in `region` and offers `accelerator` (with
-    at least `gpus_per_instance` cards per VM; default: gpus_total spread over `instances`), and
-    which zones of the region offer it (report.zones, `zone` first when it qualifies), so that `up`
-    can move on to the next one on ZONE_RESOURCE_POOL_EXHAUSTED.
+    """Check, before `terraform apply`, that the cluster fits: the regional GPU, vCPU (the quota of
+    `machine_family`), disk (`disk_type`'s), address (one per node with `external_ips`) and instance
+    quotas, GPUS_ALL_REGIONS, that `zone` is in `region` and offers `accelerator` (with at least
+    `gpus_per_instance` cards per VM; default: gpus_total spread over `instances`), and which zones
+    of the region offer it (report.zones, `zone` first when it qualifies), so that `up` can move on
+    to the next one on ZONE_RESOURCE_POOL_EXHAUSTED. Without a `zone`, report.zone is the first zone
+    of the region's listing that qualifies (zone names differ between regions: us-east1 has no -a).
 
     Spot VMs draw on PREEMPTIBLE_* quota where the project has been granted it in the region (a
     limit above 0), and on the standard quota otherwise (Compute Engine's documented rule);
@@ -402,7 +490,7 @@ def preflight(
     """
     if not REGION_RE.fullmatch(region):
         raise UserError(f"region {region!r} is not a Compute Engine region name (like us-central1)")
-    report = PreflightReport(project=gcp.project, region=region, zone=zone, accelerator=accelerator)
+    report = PreflightReport(project=gcp.project, region=region, zone=zone or "", accelerator=accelerator)
     with gcp.errors(f"reading quotas of region {region}"):
         region_res = gcp.compute("RegionsClient").get(project=gcp.project, region=region, **gcp.rpc())
     regional = {q.metric: q for q in region_res.quotas}
@@ -427,9 +515,20 @@ def preflight(
             report.notes.append(f"no PREEMPTIBLE_{metric} quota granted in {region}: spot VMs use {metric}")
         return metric
 
-    check(spot_metric("CPUS"), cpus_total, regional, region)
+    def check_listed(metric: str, needed: int, what: str, spot_variant: bool = False) -> None:
+        # A series' own quota that the region does not list is not taken as limit 0: that would refuse
+        # a cluster on a guess. It is said, and not checked.
+        if metric in regional:
+            check(spot_metric(metric) if spot_variant else metric, needed, regional, region)
+        elif needed > 0:
+            report.notes.append(f"{metric} is not listed for {region}: {what} quota not checked")
+
+    cpu_metric = "CPUS" if machine_family in SHARED_CPU_QUOTA_SERIES else f"{machine_family.upper()}_CPUS"
+    check_listed(cpu_metric, cpus_total, "vCPU", spot_variant=True)
     check("INSTANCES", instances, regional, region)
-    check("IN_USE_ADDRESSES", instances, regional, region)  # one external IP per node
+    if external_ips:
+        check("IN_USE_ADDRESSES", instances, regional, region)  # one external IP per node
+    check_listed(DISK_QUOTA[disk_type], disk_gb_total, "boot disk")
     if accelerator and gpus_total > 0:
         metric = ACCELERATOR_QUOTA.get(accelerator)
         if metric is None:
@@ -440,24 +539,33 @@ def preflight(
             project_res = gcp.compute("ProjectsClient").get(project=gcp.project, **gcp.rpc())
         check("GPUS_ALL_REGIONS", gpus_total, {q.metric: q for q in project_res.quotas}, "global")
 
-    region_zones = _region_zones(gcp, region)
-    if zone not in region_zones:
+    up_zones = region_zones(gcp, region)
+    if zone is not None and zone not in up_zones:
         report.problems.append(
-            f"zone {zone} is not a zone of {region} that is up (zones: {', '.join(region_zones) or 'none'}): "
+            f"zone {zone} is not a zone of {region} that is up (zones: {', '.join(up_zones) or 'none'}): "
             f"set zone = one of them"
         )
     if not accelerator:
-        report.zones = ([zone] if zone in region_zones else []) + [z for z in region_zones if z != zone]
+        report.zones = ([zone] if zone in up_zones else []) + [z for z in up_zones if z != zone]
+        if zone is None:
+            report.zone = report.zones[0] if report.zones else ""
+            if not report.zones:
+                report.problems.append(f"no zone of {region} is up: choose another region")
         return report
 
     # Checked even when this run adds no GPU (an update of a cluster that is up): the zone must still
     # offer the accelerator, with as many cards per VM as the nodes carry.
     per_vm = gpus_per_instance or max(1, math.ceil(gpus_total / max(instances, 1)))
-    offered = _accelerator_zones(gcp, accelerator, region_zones)  # zone -> maximumCardsPerInstance
+    offered = _accelerator_zones(gcp, accelerator, up_zones)  # zone -> maximumCardsPerInstance
     fits = sorted(z for z, cards in offered.items() if cards >= per_vm)
     report.zones = ([zone] if zone in fits else []) + [z for z in fits if z != zone]
     others = [z for z in report.zones if z != zone]
-    if zone in region_zones and zone not in offered:
+    if zone is None:
+        report.zone = report.zones[0] if report.zones else ""
+        if not fits:
+            offer = f"at most {max(offered.values())} per VM there" if offered else "in none of its zones"
+            report.problems.append(f"{accelerator} with {per_vm} per VM is not offered in {region} ({offer})")
+    elif zone in up_zones and zone not in offered:
         alt = f"zones in {region} that offer it: {', '.join(others)}" if others else f"no zone in {region} offers it"
         report.problems.append(f"{accelerator} is not offered in {zone}; {alt}")
     elif zone in offered and offered[zone] < per_vm:
@@ -468,7 +576,7 @@ def preflight(
     return report
 
 
-def _region_zones(gcp: Gcp, region: str) -> list[str]:
+def region_zones(gcp: Gcp, region: str) -> list[str]:
     """The zones of `region` whose status is UP, by name."""
     with gcp.errors(f"listing the zones of {region}"):
         zones = list(
@@ -494,6 +602,135 @@ def _accelerator_zones(gcp: Gcp, accelerator: str, zones: Iterable[str]) -> dict
                 if acc.name == accelerator and zone in wanted:
                     offered[zone] = acc.maximum_cards_per_instance or 0
     return offered
+
+
+# --------------------------------------------------------------------------------------------
+# Organisation policies, permissions, identity and OS Login
+
+
+def effective_policy(gcp: Gcp, constraint: str) -> dict[str, Any]:
+    """The organisation policy in force on the project for `constraint` (Resource Manager v1
+    projects.getEffectiveOrgPolicy: the project's, its folders' and its organisation's merged). Needs
+    orgpolicy.policy.get; a project outside any organisation answers with the constraint's default."""
+    with gcp.errors(f"reading the organisation policy {constraint}"):
+        return gcp.rest(
+            "cloudresourcemanager",
+            "POST",
+            f"/v1/projects/{gcp.project}:getEffectiveOrgPolicy",
+            json={"constraint": constraint},
+        )
+
+
+def enforced(policy: dict[str, Any]) -> bool:
+    """Whether a boolean constraint's policy is on."""
+    return bool((policy.get("booleanPolicy") or {}).get("enforced"))
+
+
+def external_ip_denied(policy: dict[str, Any], project: str, zone: str, names: Iterable[str]) -> list[str]:
+    """Which of the VMs `names` (in `zone`) constraints/compute.vmExternalIpAccess denies an external IP.
+    Its values are instance paths, projects/P/zones/Z/instances/N; all values allowed when no list
+    policy is set (the constraint's default)."""
+    listed = policy.get("listPolicy") or {}
+
+    def values(key: str) -> set[str]:
+        return {v.removeprefix("is:") for v in listed.get(key) or []}
+
+    allowed, denied, everything = values("allowedValues"), values("deniedValues"), listed.get("allValues")
+    out = []
+    for name in names:
+        path = f"projects/{project}/zones/{zone}/instances/{name}"
+        if everything == "ALLOW":
+            continue
+        if everything == "DENY" or path in denied or (allowed and path not in allowed):
+            out.append(name)
+    return out
+
+
+def missing_permissions(gcp: Gcp, permissions: Iterable[str]) -> list[str]:
+    """Which of `permissions` the caller lacks on the project (Resource Manager testIamPermissions)."""
+    wanted = list(permissions)
+    if not wanted:
+        return []
+    with gcp.errors("checking your permissions on the project"):
+        body = gcp.rest(
+            "cloudresourcemanager",
+            "POST",
+            f"/v1/projects/{gcp.project}:testIamPermissions",
+            json={"permissions": wanted},
+        )
+    held = set(body.get("permissions") or [])
+    return [p for p in wanted if p not in held]
+
+
+def caller_email(gcp: Gcp) -> str:
+    """The e-mail of the account the credentials belong to: a service account's own, else the
+    OpenID Connect userinfo answer (the token of `gcloud auth application-default login` carries the
+    userinfo.email scope)."""
+    from dtrain.control.gcp.auth import account_email
+
+    email = account_email(gcp.credentials)
+    if email:
+        return email
+    with gcp.errors("finding which account the Google credentials belong to"):
+        email = gcp.rest("openidconnect", "GET", "/v1/userinfo").get("email") or ""
+    if "@" not in email:
+        raise UserError(
+            "OS Login needs the e-mail of the account dtrain runs as, and the credentials do not tell it: "
+            "run gcloud auth application-default login again (its token carries the e-mail scope)"
+        )
+    return email
+
+
+@dataclasses.dataclass(frozen=True)
+class OsLoginKey:
+    """The cluster's key on an OS Login profile: whose (`user`, an e-mail), the POSIX user name the
+    nodes know them by, and the key's SHA-256 `fingerprint` (what names it to delete it; what is shown
+    instead of the key)."""
+
+    user: str
+    username: str
+    fingerprint: str
+
+
+def import_os_login_key(gcp: Gcp, public_key: str) -> OsLoginKey:
+    """Add the cluster's public key to the caller's OS Login profile (users.importSshPublicKey, with
+    the project so that a POSIX account exists there) and return the user name to log in as."""
+    user = caller_email(gcp)
+    key = public_key.strip()
+    with gcp.errors(f"adding the cluster's SSH key to the OS Login profile of {user}"):
+        body = gcp.rest(
+            "oslogin",
+            "POST",
+            f"/v1/users/{user}:importSshPublicKey",
+            params={"projectId": gcp.project},
+            json={"key": key},
+        )
+    profile = body.get("loginProfile") or {}
+    accounts = profile.get("posixAccounts") or []
+    account = next((a for a in accounts if a.get("accountId") == gcp.project), None)
+    account = account or next((a for a in accounts if a.get("primary")), None)
+    fingerprint = next(
+        (fp for fp, entry in (profile.get("sshPublicKeys") or {}).items() if (entry.get("key") or "").strip() == key),
+        "",
+    )
+    if account is None or not account.get("username") or not fingerprint:
+        raise UserError(
+            f"OS Login did not give {user} a POSIX account with the cluster's key in project {gcp.project}: "
+            "check that OS Login is allowed for your account (gcloud compute os-login describe-profile)"
+        )
+    return OsLoginKey(user=user, username=account["username"], fingerprint=fingerprint)
+
+
+def remove_os_login_key(gcp: Gcp, user: str, fingerprint: str) -> bool:
+    """Delete the cluster's key from `user`'s OS Login profile; False when it is already gone."""
+    gexc = google_module("api_core.exceptions")
+
+    with gcp.errors(f"removing the cluster's SSH key from the OS Login profile of {user}"):
+        try:
+            gcp.rest("oslogin", "DELETE", f"/v1/users/{user}/sshPublicKeys/{fingerprint}")
+        except gexc.NotFound:
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -595,6 +832,21 @@ def node_states(
         at = preemptions.get(name)
         states.append(NodeState(name=name, zone=zone, status="MISSING", preempted=at is not None, preempted_at=at))
     return sorted(states, key=lambda s: s.name)
+
+
+def cluster_zones(gcp: Gcp, region: str, cluster_name: str) -> list[str]:
+    """The zones of `region` that hold VMs labelled with the cluster, by name (one aggregated listing):
+    where a cluster is when neither its record nor its table names a zone."""
+    zones = set()
+    with gcp.errors(f"looking for the VMs of cluster {cluster_name} in {region}"):
+        pages = gcp.compute("InstancesClient").aggregated_list(
+            request={"project": gcp.project, "filter": _label_filter(cluster_name)}, **gcp.rpc()
+        )
+        for scope, scoped in pages:
+            zone = _short(scope)
+            if zone.startswith(f"{region}-") and any(_labelled(i, cluster_name) for i in scoped.instances):
+                zones.add(zone)
+    return sorted(zones)
 
 
 def _is_spot(inst: Any) -> bool:

@@ -22,6 +22,7 @@ MODULES = {
     "auth": "google.auth",
     "auth.exceptions": "google.auth.exceptions",
     "auth.requests": "google.auth.transport.requests",
+    "api_core.exceptions": "google.api_core.exceptions",
 }
 
 
@@ -58,6 +59,13 @@ def default_credentials(*, purpose: str = "") -> tuple[Any, str | None]:
             f"no Google credentials{for_what}: run gcloud auth application-default login "
             "(or set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file)"
         ) from None
+
+
+def account_email(credentials: Any) -> str | None:
+    """The e-mail the credentials name themselves, when they do (a service account's key or the
+    metadata server's account once refreshed); None for a user's credentials, which carry none."""
+    email = getattr(credentials, "service_account_email", None)
+    return email if isinstance(email, str) and "@" in email else None
 
 
 def access_token(credentials: Any, *, needed_for: str) -> str:

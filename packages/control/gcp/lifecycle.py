@@ -37,15 +37,26 @@ if TYPE_CHECKING:
 
 READY_FILE = "/var/lib/dtrain/ready"
 READY_POLL_S = 10
+# How long a node's sshd may refuse the cluster's key before `up` stops waiting: the guest agent
+# installs a metadata key within seconds of sshd starting, so two minutes of refusals is not a slow
+# boot. (dtrain.control.ssh.explain words a refusal so; KEY_REFUSED is what it says.)
+KEY_REFUSED_S = 120.0
+KEY_REFUSED = "the SSH login was refused"
 Confirm = Callable[[str], bool]
 
-# The checkpoint bucket's Terraform addresses (infra/storage.tf): forgotten before a destroy that
-# keeps the data, so Terraform neither deletes it nor fails on a non-empty bucket.
-KEEP_ADDRESSES = ("google_storage_bucket.checkpoints",)
+# The checkpoint bucket is infra/storage.tf's resource named `checkpoints`: forgotten before a destroy
+# that keeps the data, so Terraform neither deletes it nor fails on a non-empty bucket (the next `up`
+# adopts it again). Matched by name, whatever its type, so the tests' stand-in infra (terraform_data:
+# no google provider can be had there) is kept the same way.
+KEEP_NAME = "checkpoints"
+# Which key `up` put on an OS Login profile (whose, and its fingerprint), for `down` to take off.
+OS_LOGIN_FILE = "os_login.json"
 # What ends with the cluster under its config directory (the record goes through remove_record).
-CLUSTER_FILES = ("id_ed25519", "id_ed25519.pub", "known_hosts", "terraform.tfvars.json")
+CLUSTER_FILES = ("id_ed25519", "id_ed25519.pub", "known_hosts", "terraform.tfvars.json", OS_LOGIN_FILE)
 # A well-formed key that nobody holds: the derivation needs some key, and never deploys it.
 _PLACEHOLDER_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOCq6lYDCi2DbDjX7yU6Ac7nDnmrMYeBv3I2cLxGdGJk dtrain-plan"
+# A zone letter no region has, for the derivation before the zone is known (see derive).
+_PLACEHOLDER_ZONE_SUFFIX = "z"
 
 
 @dataclasses.dataclass
@@ -69,37 +80,48 @@ def context(cfg: ClusterConfig) -> Context:
 def connect(project: str, cluster: str) -> Gcp:
     """Compute and Storage clients for `project`, at the endpoints the environment names."""
     from dtrain.control.gcp.api import Gcp
-    from dtrain.control.settings import gcp_endpoints
+    from dtrain.control.settings import gcp_api_endpoint, gcp_endpoints
 
     compute, storage = gcp_endpoints()
+    apis = gcp_api_endpoint()
     credentials = None
-    if any(e and e.startswith("http://") for e in (compute, storage)):
+    if any(e and e.startswith("http://") for e in (compute, storage, apis)):
         # A plain-http endpoint is a local emulator (the tests' Compute server, gcp-storage-emulator):
         # never send it a Google token, which would travel in clear text.
         from google.auth.credentials import AnonymousCredentials
 
         credentials = AnonymousCredentials()
     return Gcp.connect(
-        project or None, endpoint=compute, storage_endpoint=storage, credentials=credentials, cluster=cluster
+        project or None,
+        endpoint=compute,
+        storage_endpoint=storage,
+        api_endpoint=apis,
+        credentials=credentials,
+        cluster=cluster,
     )
 
 
-def zone_of(spec: GcpSpec, record: dict[str, Any] | None = None) -> str:
-    """The cluster's zone: where its record says it is, else the configured one, else the region's
-    first zone (preflight and up then move to the first zone that offers the accelerator)."""
-    return (record or {}).get("zone") or spec.zone or f"{spec.region}-a"
+def zone_of(spec: GcpSpec, record: dict[str, Any] | None = None) -> str | None:
+    """The cluster's zone: where its record says it is, else the configured one; None when neither
+    names one. Zone names differ between regions (us-east1 has no -a), so no zone is guessed:
+    preflight takes the first zone of the region's listing that qualifies, and status and down look
+    for the cluster's VMs in every zone of the region."""
+    return (record or {}).get("zone") or spec.zone or None
 
 
-def derive(ctx: Context, zone: str) -> dict[str, Any]:
+def derive(ctx: Context, zone: str | None) -> dict[str, Any]:
     """Machine type, GPUs and image per node, from Terraform's own derivation (infra/modules/plan),
     so a combination Terraform rejects is rejected here, before anything is created."""
     from dtrain.control.gcp.spec import tfvars
     from dtrain.control.gcp.terraform import derive as tf_derive
 
+    # Nothing the plan module derives depends on the zone; its variable only has to be a zone name
+    # of the region. Before preflight has chosen one, this stands in for it; no API ever sees it.
+    zone = zone or f"{ctx.spec.region}-{_PLACEHOLDER_ZONE_SUFFIX}"
     return tf_derive(tfvars(ctx.spec, project=ctx.project, zone=zone, ssh_public_key=_PLACEHOLDER_KEY))
 
 
-def _quota_check(ctx: Context, derived: dict[str, Any], zone: str, existing: int = 0) -> PreflightReport:
+def _quota_check(ctx: Context, derived: dict[str, Any], zone: str | None, existing: int = 0) -> PreflightReport:
     """Quota for the nodes this run adds: `existing` nodes of the cluster already count in usage."""
     from dtrain.control.gcp.api import preflight as api_preflight
     from dtrain.control.gcp.prices import vcpus
@@ -117,7 +139,153 @@ def _quota_check(ctx: Context, derived: dict[str, Any], zone: str, existing: int
         spot=s.spot,
         instances=new,
         gpus_per_instance=derived["gpus"] or None,
+        machine_family=derived["machine_family"],
+        disk_gb_total=s.disk_size_gb * new,
+        external_ips=s.external_ip,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """How dtrain reaches the nodes: logging in through OS Login or with the cluster's key in instance
+    metadata; through IAP TCP forwarding (no external IPs) or directly."""
+
+    os_login: bool
+    iap: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What preflight found: the report, the derivation, what `up` must do about the bucket, and how
+    it will reach the nodes."""
+
+    report: PreflightReport
+    derived: dict[str, Any]
+    adopt_bucket: bool
+    access: Access
+
+
+def _preflight(ctx: Context, events: Events, rec: dict[str, Any] | None = None) -> Checked:
+    """Every check that can fail before anything is created; raises with the first problem."""
+    s = ctx.spec
+    zone = zone_of(s, rec)
+    where = f", zone {zone}" if zone else f", region {s.region}"
+    events.info(f"preflight for cluster {s.name} in project {ctx.project}{where}:")
+    _services_check(ctx, events)
+    derived = derive(ctx, zone)
+    report = _quota_check(ctx, derived, zone, len(rec["nodes"]) if rec else 0)
+    adopt_bucket = _checkpoint_bucket(ctx, report)
+    access = _access_check(ctx, report, derived) if report.zone else Access(os_login=False, iap=not s.external_ip)
+    _report(report, events)
+    if not report.ok:
+        first = report.problems[0]
+        code = ExitCode.USAGE if first in report.config_problems else ExitCode.FAILURE
+        raise UserError(first, exit_code=code)
+    if zone is None:
+        events.info(f"zone {report.zone}: the first zone of {s.region} that qualifies (set zone = to choose)")
+    return Checked(report, derived, adopt_bucket, access)
+
+
+def _access_check(ctx: Context, report: PreflightReport, derived: dict[str, Any]) -> Access:
+    """How dtrain will log in to the nodes and reach them, and whether it can: the organisation's
+    policies (OS Login required, external IPs denied), gcloud for IAP, the caller's permissions, the
+    OS Login API. Each problem is one line in the report, found before anything is created."""
+    from dtrain.control.gcp import api
+
+    s = ctx.spec
+    where = f"[clusters.{s.name}]"
+    required = _org_policy(ctx, report, api.REQUIRE_OS_LOGIN, "if it requires OS Login, set os_login = true")
+    os_login_required = required is not None and api.enforced(required)
+    if s.os_login is False and os_login_required:
+        _config_problem(
+            report,
+            f"the organisation policy {api.REQUIRE_OS_LOGIN} is enforced on project {ctx.project}: its VMs refuse "
+            f"SSH keys in instance metadata, which os_login = false asks for: remove os_login = false under {where} "
+            "(dtrain then adds the cluster's key to your OS Login profile)",
+        )
+    os_login = s.os_login is True or (s.os_login == "auto" and os_login_required)
+    why = f" ({api.REQUIRE_OS_LOGIN} is enforced)" if os_login_required else ""
+    report.passed.append(
+        f"login: OS Login{why}, the cluster's key on your profile"
+        if os_login
+        else "login: the cluster's own key, in instance metadata"
+    )
+
+    if s.external_ip:
+        hint = "if it denies external IPs, set external_ip = false"
+        policy = _org_policy(ctx, report, api.EXTERNAL_IP_ACCESS, hint)
+        denied = api.external_ip_denied(policy or {}, ctx.project, report.zone, derived["node_names"])
+        if denied:
+            _config_problem(
+                report,
+                f"the organisation policy {api.EXTERNAL_IP_ACCESS} denies an external IP to {', '.join(denied)} in "
+                f"project {ctx.project}: set external_ip = false under {where} (dtrain then reaches the nodes "
+                "through IAP, with gcloud)",
+            )
+    else:
+        from dtrain.control.backends.gcp import IAP_NEEDS_GCLOUD
+
+        gcloud = shutil.which("gcloud")
+        if gcloud is None:
+            _config_problem(report, f"external_ip = false under {where}: {IAP_NEEDS_GCLOUD}")
+        else:
+            report.passed.append(f"reach: IAP TCP forwarding, through {gcloud}")
+
+    wanted = [
+        p
+        for p, needed in (
+            ("compute.instances.osAdminLogin", os_login),
+            ("iap.tunnelInstances.accessViaIAP", not s.external_ip),
+        )
+        if needed
+    ]
+    try:
+        missing = api.missing_permissions(ctx.api, wanted)
+    except UserError as e:
+        missing = []
+        report.notes.append(f"could not check your permissions ({e})")
+    for permission in missing:
+        role = api.ACCESS_PERMISSIONS[permission]
+        _config_problem(
+            report,
+            f"you lack {permission} on project {ctx.project}, which logging in to the nodes needs: ask for {role} "
+            f"(gcloud projects add-iam-policy-binding {ctx.project} --member=user:YOU --role={role})",
+        )
+    if os_login:
+        off = api.disabled_services(ctx.api, ["oslogin.googleapis.com"])
+        if off:
+            _config_problem(report, api.enable_hint(ctx.project, off))
+    return Access(os_login=os_login, iap=not s.external_ip)
+
+
+def _org_policy(ctx: Context, report: PreflightReport, constraint: str, hint: str) -> dict[str, Any] | None:
+    """The organisation policy for `constraint`, or None with a note when it cannot be read (reading
+    needs orgpolicy.policy.get, which many users lack): dtrain then proceeds as if it were not set."""
+    from dtrain.control.gcp.api import effective_policy
+
+    try:
+        return effective_policy(ctx.api, constraint)
+    except UserError as e:
+        report.notes.append(f"could not read {constraint} ({e}); if your organisation sets it: {hint}")
+        return None
+
+
+def _config_problem(report: PreflightReport, problem: str) -> None:
+    """A problem the user fixes in dtrain.toml or the project (exit 2), not one that may pass (exit 1)."""
+    report.problems.append(problem)
+    report.config_problems.append(problem)
+
+
+def _services_check(ctx: Context, events: Events) -> None:
+    """The APIs the cluster needs are enabled, or one line that names the `gcloud services enable`
+    command: before anything is created, not as a Terraform error halfway through."""
+    from dtrain.control.gcp.api import REQUIRED_SERVICES, disabled_services, enable_hint
+
+    wanted = list(REQUIRED_SERVICES)
+    off = disabled_services(ctx.api, wanted)
+    if off:
+        raise UserError(enable_hint(ctx.project, off))
+    events.check(f"APIs enabled: {', '.join(s.removesuffix('.googleapis.com') for s in wanted)}", True)
 
 
 def _report(report: PreflightReport, events: Events) -> None:
@@ -130,16 +298,9 @@ def _report(report: PreflightReport, events: Events) -> None:
 
 
 def preflight(cfg: ClusterConfig, *, events: Events) -> PreflightReport:
-    """Check quota and zone capacity, in seconds, before anything is created. Raises on a problem."""
-    ctx = context(cfg)
-    zone = zone_of(ctx.spec)
-    derived = derive(ctx, zone)
-    events.info(f"preflight for cluster {ctx.spec.name} in project {ctx.project}, zone {zone}:")
-    report = _quota_check(ctx, derived, zone)
-    _report(report, events)
-    if not report.ok:
-        raise UserError(report.problems[0], exit_code=ExitCode.FAILURE)
-    return report
+    """Check quota, zones, APIs and the bucket, in seconds, before anything is created. Raises on a
+    problem."""
+    return _preflight(context(cfg), events).report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,16 +389,9 @@ def up(
             f"cluster {s.name} is up in {zone}, not {s.zone} (--next-zone moved it): it stays there; "
             f"to move it, dtrain down --cluster {s.name}, then dtrain up"
         )
-    existing = len(rec["nodes"]) if rec else 0
-    derived = derive(ctx, zone)
-    events.info(f"preflight for cluster {s.name} in project {ctx.project}:")
-    report = _quota_check(ctx, derived, zone, existing)
-    if not s.zone and not rec and report.zones and zone not in report.zones:
-        zone = report.zones[0]  # no zone chosen: the first that offers the accelerator
-        report = _quota_check(ctx, derived, zone)
-    _report(report, events)
-    if not report.ok:
-        raise UserError(report.problems[0], exit_code=ExitCode.FAILURE)
+    checked = _preflight(ctx, events, rec)
+    report, derived, adopt_bucket, access = checked.report, checked.derived, checked.adopt_bucket, checked.access
+    zone = report.zone  # no zone chosen: the first that qualifies
     zones = [zone] + [z for z in report.zones if z != zone]
 
     plan = cost_plan(s, derived, ctx.project, zone)
@@ -246,15 +400,23 @@ def up(
         raise UserError("nothing created", exit_code=ExitCode.FAILURE)
 
     key = ensure_ssh_key(s.name)
+    login = _os_login_key(ctx, key, events) if access.os_login else None
     _ensure_state_bucket(ctx, events)
     tf = _terraform(ctx, zone, events, handle)
     tf.init(backend_config=_backend_config(ctx))
     var_file = cluster_dir(s.name) / "terraform.tfvars.json"
     for attempt, z in enumerate(zones):
         tf.context["zone"] = z
-        write_tfvars(
-            tfvars(s, project=ctx.project, zone=z, ssh_public_key=key.with_suffix(".pub").read_text()), var_file
+        public_key = key.with_suffix(".pub").read_text()
+        values = tfvars(
+            s,
+            project=ctx.project,
+            zone=z,
+            ssh_public_key=public_key,
+            adopt_bucket=adopt_bucket,
+            os_login=access.os_login,
         )
+        write_tfvars(values, var_file)
         try:
             _apply(tf, var_file, "apply", events)
             break
@@ -269,12 +431,43 @@ def up(
             zone = rest[0]
 
     rec = {**tf.output("cluster"), "backend": "gcp", "project": ctx.project}
+    if login is not None:  # the nodes know the user by the POSIX name OS Login gave, not infra's ssh_user
+        rec.update(ssh_user=login.username, os_login=True)
     path = write_record(rec)
     events.info(f"cluster record: {path}")
     from dtrain.control.backends import get
+    from dtrain.control.gcp.api import REQUIRE_OS_LOGIN
 
-    wait_ready(get("gcp").cluster(cfg), timeout=ready_timeout or s.ready_timeout, events=events, handle=handle)
+    if login is not None:
+        refused = (
+            f"check that you hold roles/compute.osAdminLogin on project {ctx.project} (OS Login user {login.username})"
+        )
+    else:
+        refused = (
+            f"if your organisation enforces OS Login ({REQUIRE_OS_LOGIN}), set os_login = true under "
+            f"[clusters.{s.name}] and run dtrain up again"
+        )
+    timeout = ready_timeout or s.ready_timeout
+    wait_ready(get("gcp").cluster(cfg), timeout=timeout, events=events, handle=handle, refused_hint=refused)
     return UpResult(record=rec, record_path=path, zone=zone)
+
+
+def _os_login_key(ctx: Context, key: Path, events: Events) -> Any:
+    """Put the cluster's public key on the caller's OS Login profile, and remember which key it was, so
+    that `down` takes it off again (the key dies with the cluster, as in instance metadata)."""
+    from dtrain.control.gcp.api import import_os_login_key
+    from dtrain.control.gcp.record import cluster_dir
+
+    login = import_os_login_key(ctx.api, key.with_suffix(".pub").read_text())
+    saved = cluster_dir(ctx.spec.name) / OS_LOGIN_FILE
+    saved.write_text(json.dumps(dataclasses.asdict(login), indent=2) + "\n")
+    saved.chmod(0o600)
+    # The fingerprint names the key; the key itself is never shown or logged.
+    events.info(
+        f"OS Login: the cluster's key (SHA-256 {login.fingerprint[:16]}...) is on the profile of {login.user}; "
+        f"the nodes know you as {login.username}"
+    )
+    return login
 
 
 def ensure_ssh_key(name: str) -> Path:
@@ -378,13 +571,81 @@ def _empty_bucket(ctx: Context, name: str) -> int:
     return removed
 
 
-def wait_ready(cluster: Cluster, *, timeout: float, events: Events, handle: Handle) -> None:
+def _remove_os_login_key(ctx: Context, events: Events) -> None:
+    """Take the key `up` put on an OS Login profile off it again (it dies with the cluster)."""
+    from dtrain.control.gcp.api import remove_os_login_key
+    from dtrain.control.gcp.record import cluster_dir
+
+    saved = cluster_dir(ctx.spec.name) / OS_LOGIN_FILE
+    if not saved.is_file():
+        return
+    login = json.loads(saved.read_text())
+    removed = remove_os_login_key(ctx.api, login["user"], login["fingerprint"])
+    state = "removed from" if removed else "already gone from"
+    events.check(f"OS Login: the cluster's key (SHA-256 {login['fingerprint'][:16]}...) {state} {login['user']}", True)
+
+
+def _find_zone(ctx: Context, rec: dict[str, Any] | None) -> str:
+    """The cluster's zone for `down` when nothing on this machine says it: where its VMs are, else
+    the region's first zone that is up (destroy works from the state; the variable must be valid)."""
+    from dtrain.control.gcp.api import cluster_zones, region_zones
+
+    s = ctx.spec
+    zone = zone_of(s, rec) or next(iter(cluster_zones(ctx.api, s.region, s.name)), None)
+    zone = zone or next(iter(region_zones(ctx.api, s.region)), None)
+    if zone is None:
+        raise UserError(f"no zone of region {s.region} is up: set zone = under [clusters.{s.name}]")
+    return zone
+
+
+def _kept(addresses: list[str]) -> list[str]:
+    """The state addresses of the root module's `checkpoints` resource (see KEEP_NAME)."""
+    return [a for a in addresses if a.split("[", 1)[0].split(".")[1:] == [KEEP_NAME]]
+
+
+def _checkpoint_bucket(ctx: Context, report: PreflightReport) -> bool:
+    """Whether the checkpoint bucket exists and is this cluster's, kept by `dtrain down`: Terraform then
+    adopts it (infra's adopt_bucket) instead of creating it, which GCS would answer with 409. A bucket
+    of that name that is not the cluster's is a problem now rather than mid-apply."""
+    from dtrain.control.gcp.api import CLUSTER_LABEL
+    from dtrain.control.gcp.auth import google_module
+
+    gexc = google_module("api_core.exceptions")
+
+    s = ctx.spec
+    name = s.bucket_name(ctx.project)
+    other = f'set bucket = "..." under [clusters.{s.name}] to another name'
+    with ctx.api.errors(f"looking up the checkpoint bucket gs://{name}"):
+        try:
+            bucket = ctx.api.storage().lookup_bucket(name)
+        except gexc.Forbidden:  # bucket names are global: another project has this one
+            _config_problem(report, f"the bucket name gs://{name} belongs to someone else: {other}")
+            return False
+    if bucket is None:
+        report.passed.append(f"checkpoint bucket gs://{name}: to be created")
+        return False
+    owner = (bucket.labels or {}).get(CLUSTER_LABEL)
+    if owner != s.name:
+        _config_problem(
+            report,
+            f"gs://{name} exists but is not cluster {s.name}'s (label {CLUSTER_LABEL}={owner or '(none)'}): {other}",
+        )
+        return False
+    report.passed.append(f"checkpoint bucket gs://{name}: kept by an earlier dtrain down, adopted with its data")
+    return True
+
+
+def wait_ready(cluster: Cluster, *, timeout: float, events: Events, handle: Handle, refused_hint: str = "") -> None:
     """Until every node answers SSH and its startup script has written READY_FILE with ok, and
-    nvidia-smi lists the GPUs on GPU nodes; at most `timeout` seconds, then one line per late node."""
+    nvidia-smi lists the GPUs on GPU nodes; at most `timeout` seconds, then one line per late node.
+    A node whose sshd refuses the cluster's key for KEY_REFUSED_S ends the wait at once, with
+    `refused_hint` (a node that answers but refuses will not change its mind: an organisation's OS
+    Login policy, a key that did not reach it)."""
     from dtrain.control.ssh import SSH
 
     deadline = time.monotonic() + timeout
     pending = {n.name: "not checked yet" for n in cluster.nodes}
+    refused_since: dict[str, float] = {}
     # First contact: the VMs are new, their host keys unknown; accept-new still refuses a changed key.
     with SSH(cluster, accept_new_host_keys=True) as ssh:
         while pending:
@@ -393,8 +654,19 @@ def wait_ready(cluster: Cluster, *, timeout: float, events: Events, handle: Hand
                 if pending_reason is None:
                     del pending[node.name]
                     events.check(f"ready {node.name}", True)
+                    continue
+                pending[node.name] = pending_reason
+                if KEY_REFUSED in pending_reason:
+                    since = refused_since.setdefault(node.name, time.monotonic())
+                    if time.monotonic() - since >= KEY_REFUSED_S:
+                        hint = f": {refused_hint}" if refused_hint else ""
+                        raise UserError(
+                            f"node {node.name} answers SSH but has refused the cluster's key for "
+                            f"{KEY_REFUSED_S:.0f} s (user {node.user or 'default'}){hint}",
+                            exit_code=ExitCode.FAILURE,
+                        )
                 else:
-                    pending[node.name] = pending_reason
+                    refused_since.pop(node.name, None)
             if not pending:
                 break
             if time.monotonic() > deadline:
@@ -487,9 +759,11 @@ def down(
     if not confirm("go ahead?"):
         raise UserError("nothing deleted", exit_code=ExitCode.FAILURE)
 
-    zone = zone_of(s, rec)
     var_file = cluster_dir(s.name) / "terraform.tfvars.json"
-    if not var_file.is_file():  # another machine made it, or the file was lost: render it again
+    if var_file.is_file():
+        zone = json.loads(var_file.read_text()).get("zone") or _find_zone(ctx, rec)
+    else:  # another machine made it, or the file was lost: render it again
+        zone = _find_zone(ctx, rec)
         key = ensure_ssh_key(s.name)
         write_tfvars(
             tfvars(s, project=ctx.project, zone=zone, ssh_public_key=key.with_suffix(".pub").read_text()), var_file
@@ -503,7 +777,7 @@ def down(
             n = _empty_bucket(ctx, bucket)
             events.info(f"emptied gs://{bucket} ({n} object versions); Terraform deletes it")
         else:
-            kept = tf.forget(KEEP_ADDRESSES)
+            kept = tf.forget(_kept(tf.state_list()))
             if kept:
                 events.info(f"keeping gs://{bucket}: removed from Terraform's state ({len(kept)} entries)")
         _apply(tf, var_file, "destroy", events, destroy=True)
@@ -511,6 +785,7 @@ def down(
         state = f"gs://{ctx.spec.state_bucket_name(ctx.project)}/dtrain/{s.name}"
         events.info(f"no Terraform state at {state}: nothing for Terraform to destroy; sweeping")
 
+    _remove_os_login_key(ctx, events)
     leftovers = find_leftovers(ctx.api, s.region, s.name, include_buckets=delete_data)
     failed: list[str] = []
     if leftovers:
@@ -564,6 +839,7 @@ class StatusResult:
     nodes: tuple[NodeStatus, ...]
     recorded: bool  # dtrain up's record exists on this machine
     note: str
+    region: str = ""
 
     @property
     def usd_per_hour(self) -> float:
@@ -584,17 +860,17 @@ class StatusResult:
 
 def status(cfg: ClusterConfig) -> StatusResult:
     """The cluster's nodes as the Compute API sees them now, their uptime and the cost so far."""
-    from dtrain.control.gcp.api import node_states
+    from dtrain.control.gcp.api import cluster_zones, node_states
     from dtrain.control.gcp.prices import estimate_note, node_price
     from dtrain.control.gcp.record import read_record
 
     ctx = context(cfg)
     s = ctx.spec
     rec = read_record(s.name)
-    zone = zone_of(s, rec)
+    zone = zone_of(s, rec) or next(iter(cluster_zones(ctx.api, s.region, s.name)), None)
     expected = [n["name"] for n in rec["nodes"]] if rec else []
     rows = []
-    for st in node_states(ctx.api, zone, s.name, expected=expected):
+    for st in node_states(ctx.api, zone, s.name, expected=expected) if zone else ():
         uptime = st.uptime_s or 0.0
         price = node_price(st.machine_type, st.accelerator, st.gpus, s.disk_size_gb, spot=st.spot)
         running = st.status in ("RUNNING", "PROVISIONING", "STAGING")
@@ -613,4 +889,5 @@ def status(cfg: ClusterConfig) -> StatusResult:
                 external_ip=st.external_ip,
             )
         )
-    return StatusResult(s.name, ctx.project, zone, tuple(rows), rec is not None, estimate_note(s.spot))
+    note = estimate_note(s.spot)
+    return StatusResult(s.name, ctx.project, zone or "", tuple(rows), rec is not None, note, region=s.region)

@@ -12,6 +12,9 @@ adds (backend, project, the SSH key's path):
      "nodes": [{"name": "demo-master", "role": "master", "internal_ip": "10.0.0.2", "external_ip": "34.x.x.x",
                 "gpus": 1, "accelerator": "nvidia-l4", "machine_type": "g2-standard-8"}, ...]}
 
+A node without an external IP ("") is reached through IAP (dtrain.control.backends.gcp). With
+"os_login": true, `ssh_user` is the POSIX name OS Login gave the user who ran `dtrain up`.
+
 Nothing here touches the network.
 """
 
@@ -92,6 +95,8 @@ def validate_record(rec: Any, where: str) -> dict[str, Any]:
             raise UserError(f"{where}: {key!r} is missing or not {_a(tp)}")
     if not rec["nodes"]:
         raise UserError(f"{where}: the cluster has no nodes")
+    if not isinstance(rec.get("os_login", False), bool):  # optional: logins go through OS Login
+        raise UserError(f"{where}: 'os_login' must be true or false")
     masters = 0
     for i, node in enumerate(rec["nodes"]):
         if not isinstance(node, dict):

@@ -11,6 +11,8 @@
     gpus_per_node = 1
     spot = false
     ssh_source_ranges = ["203.0.113.7/32"]   # who may SSH in (required)
+    external_ip = true                  # false: internal IPs only, SSH through IAP (needs gcloud)
+    os_login = "auto"                   # true / false; auto: as the organisation's policy requires
 
 Every key, its type and default is in GCP_FIELDS below; `dtrain config show` lists the table as
 written, and `dtrain up` shows what it resolved to. Derivation (which machine type carries which
@@ -56,7 +58,10 @@ class GcpSpec:
     ssh_source_ranges: tuple[str, ...] = ()
     allow_ssh_from_anywhere: bool = False
     iap_ssh: bool = True
-    external_ip: bool = True
+    external_ip: bool = True  # false: no external IPs; dtrain reaches the nodes through IAP (gcloud)
+    # "auto": OS Login where the organisation enforces constraints/compute.requireOsLogin, else the
+    # cluster's key in instance metadata; true / false: always / never OS Login.
+    os_login: bool | str = "auto"
     bucket: str = ""
     bucket_lifecycle_days: int = 7
     force_destroy: bool = False
@@ -108,6 +113,10 @@ def gcp_spec(name: str, spec: Mapping[str, Any], where: str) -> GcpSpec:
 
 def _typed(key: str, raw: Any, where: str) -> Any:
     tp = _TYPES[key]
+    if key == "os_login":
+        if raw is True or raw is False or raw == "auto":
+            return raw
+        raise UserError(f'{where}: os_login must be true, false or "auto", got {raw!r}')
     origin = typing.get_origin(tp)
     if origin is tuple:
         if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
@@ -158,6 +167,11 @@ def _check(s: GcpSpec, where: str) -> None:
                 f"{where}: ssh_source_ranges contains {cidr}, which opens SSH to the whole internet: "
                 'list your own address (e.g. "203.0.113.7/32"), or set allow_ssh_from_anywhere = true'
             )
+    if not s.external_ip and not s.iap_ssh:
+        raise UserError(
+            f"{where}: external_ip = false needs iap_ssh = true: without external IPs dtrain reaches the nodes "
+            "through IAP TCP forwarding, which the firewall must admit"
+        )
     if s.bucket_lifecycle_days < 1:
         raise UserError(f"{where}: bucket_lifecycle_days must be >= 1, got {s.bucket_lifecycle_days}")
     for k, v in s.labels.items():
@@ -171,8 +185,19 @@ def _check(s: GcpSpec, where: str) -> None:
         raise UserError(f"{where}: ready_timeout must be at least 60 seconds, got {s.ready_timeout}")
 
 
-def tfvars(s: GcpSpec, *, project: str, zone: str, ssh_public_key: str) -> dict[str, Any]:
-    """The variables of infra/ for this cluster (the names are infra/variables.tf's)."""
+def tfvars(
+    s: GcpSpec,
+    *,
+    project: str,
+    zone: str,
+    ssh_public_key: str,
+    adopt_bucket: bool = False,
+    os_login: bool = False,
+) -> dict[str, Any]:
+    """The variables of infra/ for this cluster (the names are infra/variables.tf's). `adopt_bucket`:
+    the checkpoint bucket exists (a `dtrain down` kept it) and Terraform imports it. `os_login`: the
+    nodes take logins through OS Login (preflight decided, from `s.os_login` and the organisation's
+    policy)."""
     if not s.ssh_source_ranges and not s.allow_ssh_from_anywhere:
         raise UserError(
             f"[clusters.{s.name}]: set ssh_source_ranges to the addresses you SSH from, e.g. "
@@ -200,6 +225,8 @@ def tfvars(s: GcpSpec, *, project: str, zone: str, ssh_public_key: str) -> dict[
         "labels": dict(s.labels),
         "ssh_user": s.ssh_user,
         "ssh_public_key": ssh_public_key,
+        "adopt_bucket": adopt_bucket,
+        "os_login": os_login,
     }
 
 

@@ -83,6 +83,15 @@ _PERM_RE = re.compile(r"Required '(?P<p1>[\w.]+)' permission|Permission '(?P<p2>
 _FORBIDDEN_RE = re.compile(r"Error 403|PERMISSION_DENIED")
 _LOCK_RE = re.compile(r"Error acquiring the state lock(?:.*?\bID:\s*(?P<id>[\w-]+))?", re.S)
 _CRED_RE = re.compile(r"could not find default credentials", re.I)
+# An organisation policy the request broke, as Compute Engine words it ("Constraint
+# constraints/compute.vmExternalIpAccess violated for project 123. Add instance ... to the constraint").
+_CONSTRAINT_RE = re.compile(r"Constraint (?P<c>constraints/[\w.]+) violated")
+# What to change in the cluster's table for the policies dtrain can work with (preflight reads them
+# too, when it may: docs/decisions.md, OS Login and IAP).
+_CONSTRAINT_FIX = {
+    "constraints/compute.vmExternalIpAccess": "set external_ip = false (dtrain then reaches the nodes through IAP)",
+    "constraints/compute.requireOsLogin": "set os_login = true (dtrain then logs in through OS Login)",
+}
 
 
 def _explain_known(text: str, ctx: Mapping[str, str]) -> tuple[str, str] | None:
@@ -119,6 +128,14 @@ def _explain_known(text: str, ctx: Mapping[str, str]) -> tuple[str, str] | None:
         return "lock", (
             "the cluster's Terraform state is locked by another run (another `dtrain up`/`down`, or one that was "
             f"killed): wait for it, or if none is running: dtrain down --force-unlock {lock}"
+        )
+    m = _CONSTRAINT_RE.search(text)
+    if m:
+        constraint = m.group("c")
+        fix = _CONSTRAINT_FIX.get(constraint, "ask the organisation's administrator for an exception")
+        return "org_policy", (
+            f"the organisation policy {constraint} forbids what the cluster asks for: {fix} in the cluster's "
+            "table in dtrain.toml, and run the command again"
         )
     if _CRED_RE.search(text):
         return "credentials", "no Google credentials: run gcloud auth application-default login"

@@ -130,6 +130,36 @@ run "bad_ssh_key" {
   expect_failures = [var.ssh_public_key]
 }
 
+run "example_placeholder_key_refused" {
+  # The key terraform.tfvars.example used to hold: well-formed enough for the pattern, but no real
+  # key (67 base64 characters), so an unedited copy would have deployed a key nobody holds.
+  command = plan
+  variables {
+    ssh_public_key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExampleExampleExampleExampleExampleExample dtrain-demo"
+  }
+  expect_failures = [var.ssh_public_key]
+}
+
+run "example_placeholder_text_refused" {
+  # What terraform.tfvars.example holds now: not a key line at all.
+  command = plan
+  variables {
+    ssh_public_key = "REPLACE with the one line of ~/.ssh/dtrain-demo.pub"
+  }
+  expect_failures = [var.ssh_public_key]
+}
+
+run "rsa_key_accepted" {
+  command = plan
+  variables {
+    ssh_public_key = "ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQDNRMBAnfJntnYqJ0oYi9G7Mddz0hYxibyw+WFrgbHJBX+aL/0pxn0vI4A/TAaCEE2elGFluwo3LWMszf8E69lIyndzoAgW9gohOsqkRgDJk5tdL9ICxBSV3iHUNsZN+CrwbqTZB71cUTlktSzgmiZUdUdtiQMmzFipDRJLx/b32oRLqjmPCcHy9Uga9LyAWxHpXFYo1BDHv9Of2wJqXANjU/Kj8Q3+6POOb8HyVI3+nGx8g6EPOKA1PzZ24ZrbrPfRk29y7Sd6e+ocIG0v7bcFmMKRZE0u6YQA/dkM5b+sDJQOhsYPkFRSVI3bMXnGjhR/P2lACzP8kJKBwj+jxlwt someone@laptop"
+  }
+  assert {
+    condition     = output.machine_type == "g2-standard-8"
+    error_message = "an RSA key must be accepted as it is"
+  }
+}
+
 run "root_ssh_user" {
   command = plan
   variables {
