@@ -43,7 +43,7 @@ def _global(
 
 def _register() -> None:
     # Imported here, not at module top, only to keep the list of groups in one place.
-    from dtrain.cli import build_cmd, cluster_cmd, config_cmd, gcp_cmd, runs_cmd, train_cmd
+    from dtrain.cli import build_cmd, cluster_cmd, config_cmd, gcp_cmd, jobs_cmd, runs_cmd, train_cmd
 
     app.add_typer(config_cmd.app, name="config")
     app.add_typer(train_cmd.app, name="train")
@@ -58,6 +58,10 @@ def _register() -> None:
     app.command("down")(gcp_cmd.down)
     app.command("status")(gcp_cmd.status)
     app.command("preflight")(gcp_cmd.preflight_cmd)
+    app.add_typer(jobs_cmd.submit_app, name="submit")
+    app.command("jobs")(jobs_cmd.jobs)
+    app.command("cancel")(jobs_cmd.cancel)
+    app.add_typer(jobs_cmd.slurm_app, name="slurm")
 
 
 _register()

@@ -57,12 +57,20 @@ def _styled(status: str) -> str:
 
 
 def logs(
-    run: Annotated[str, typer.Argument(help="run id under --output, or the run's directory / gs:// URL")],
+    run: Annotated[str, typer.Argument(help="run id under --output, or the run's directory / gs:// URL; or a job id")],
     output: o.Output = None,
     node: Annotated[str | None, typer.Option("--node", help="only this node's lines", show_default=False)] = None,
+    cluster: o.Cluster = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="a job's: follow them live until it ends")] = False,
 ) -> None:
-    """Replay a cluster run's logs: every node's lines in time order, prefixed with the node's name."""
+    """Replay a cluster run's logs: every node's lines in time order, prefixed with the node's name. A
+    Slurm job's (`dtrain logs JOB --cluster NAME [-f]`): every node's lines, followed live with -f."""
     from dtrain.control.runs import node_logs
+
+    if run.isdigit():  # a Slurm job id (run ids are <workload>-<time>-<hex>)
+        from dtrain.cli import jobs_cmd
+
+        return jobs_cmd.logs(run, cluster, follow)
 
     _run_id, lines = node_logs(_output(output), run, node)
     for line in lines:
