@@ -256,6 +256,12 @@ variable "force_destroy" {
   description = "Let `terraform destroy` delete the checkpoint bucket while it still holds objects. Off by default: checkpoints outlive the cluster unless you opt in."
 }
 
+variable "slurm" {
+  type        = bool
+  default     = true
+  description = "Install Slurm and munge on every node (the startup script); `dtrain up` then configures them over SSH (slurmctld on the master, slurmd on every node) and jobs queue (docs/slurm.md). Slurm's ports need no rule of their own: the internal rule admits only the cluster's own nodes."
+}
+
 variable "observability_roles" {
   type        = bool
   default     = false

@@ -33,6 +33,7 @@ DEV_APT_PACKAGES=(
   # tests/docker: a Docker engine, a locally made base image, compose (bookworm has v1 only) and a
   # registry to push to and pull from
   docker.io debootstrap docker-compose docker-registry
+  slurm-wlm munge  # tests/slurm: a real Slurm across the test bed's hosts (scripts/slurmbed.py)
 )
 EXTRAS="train"
 [ "$DEV" = 1 ] && APT_PACKAGES+=("${DEV_APT_PACKAGES[@]}") && EXTRAS="dev,lora,tensorboard"

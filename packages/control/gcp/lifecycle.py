@@ -43,7 +43,7 @@ Confirm = Callable[[str], bool]
 # keeps the data, so Terraform neither deletes it nor fails on a non-empty bucket.
 KEEP_ADDRESSES = ("google_storage_bucket.checkpoints",)
 # What ends with the cluster under its config directory (the record goes through remove_record).
-CLUSTER_FILES = ("id_ed25519", "id_ed25519.pub", "known_hosts", "terraform.tfvars.json")
+CLUSTER_FILES = ("id_ed25519", "id_ed25519.pub", "known_hosts", "terraform.tfvars.json", "munge.key")
 # A well-formed key that nobody holds: the derivation needs some key, and never deploys it.
 _PLACEHOLDER_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOCq6lYDCi2DbDjX7yU6Ac7nDnmrMYeBv3I2cLxGdGJk dtrain-plan"
 
