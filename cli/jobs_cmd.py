@@ -43,6 +43,7 @@ def _cluster(name: str | None) -> Any:
 
 
 def _submit(workload: str, flags: dict[str, Any], given: dict[str, Any]) -> None:
+    from dtrain.control.events import Events
     from dtrain.control.launch import LaunchRequest
     from dtrain.control.slurm.jobs import submit
 
@@ -55,9 +56,11 @@ def _submit(workload: str, flags: dict[str, Any], given: dict[str, Any]) -> None
         oversubscribe=given["oversubscribe"],
         debug=console.state.debug,
     )
-    with console.operation() as (events, handle):
+    # stdout carries the job id alone (for scripts): what submit reports goes to stderr.
+    events = Events(lambda ev: console.err.print(ev.message, markup=False, highlight=False) if ev.message else None)
+    with console.operation() as (_terminal, handle):
         r = submit(request, nodes=given["nodes"] or 0, name=given["name"] or "", events=events, handle=handle)
-    print(r.job_id, flush=True)  # stdout: the job id alone, for scripts
+    print(r.job_id, flush=True)
     verb = "resumes" if r.resuming else "runs"
     console.err.print(
         f"job {r.job_id} ({r.name}) queued on cluster {r.cluster}, partition {r.partition}, {r.nodes} node(s): it "

@@ -378,7 +378,10 @@ def test_unknown_cluster_is_only_an_error_when_asked_for(cwd):
             '[clusters.gpu]\nbackend = "aws"',
             "dtrain.toml: clusters.gpu.backend must be one of local | hosts | gcp | slurm, got 'aws'",
         ),
-        ("[clusters.gpu]\n", 'dtrain.toml: clusters.gpu.backend is required (one of "local" | "hosts" | "gcp" | "slurm")'),
+        (
+            "[clusters.gpu]\n",
+            'dtrain.toml: clusters.gpu.backend is required (one of "local" | "hosts" | "gcp" | "slurm")',
+        ),
         ('clusters = "gpu"', "dtrain.toml: clusters must be tables [clusters.NAME], got a string"),
         ('[clusters]\ngpu = "gcp"', "dtrain.toml: clusters.gpu must be a table ([clusters.gpu]), got a string"),
     ],

@@ -18,13 +18,16 @@ import dataclasses
 import re
 import shlex
 import subprocess
+import time
 from collections.abc import Iterable
 
 from dtrain.common.errors import ExitCode, UserError
 from dtrain.control.cluster import Node
-from dtrain.control.ssh import SSH
+from dtrain.control.ssh import SSH, NodeError
 
 TIMEOUT_S = 60
+QUERY_ATTEMPTS = 3
+QUERY_RETRY_S = 0.5
 # Slurm's job states: waiting, running, and ended (with what dtrain says about each ending).
 PENDING_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RESV_DEL_HOLD"})
 RUNNING_STATES = frozenset({"RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT", "SUSPENDED", "STOPPED", "RESIZING"})
@@ -200,6 +203,18 @@ class Slurm:
             raise self.error(command, p)
         return p.stdout.decode(errors="replace")
 
+    def query(self, command: str, *, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+        """A command that only reads (never sbatch or scancel): tried again when the SSH connection itself
+        failed, as it now and then does for a moment (a shared connection closing as a new one opens)."""
+        for attempt in range(QUERY_ATTEMPTS):
+            try:
+                return self.ssh.run(self.login, command, timeout=timeout, check=False)
+            except NodeError:
+                if attempt == QUERY_ATTEMPTS - 1:
+                    raise
+                time.sleep(QUERY_RETRY_S)
+        raise AssertionError("unreachable")
+
     def error(self, command: str, p: subprocess.CompletedProcess) -> UserError:
         err = " ".join(p.stderr.decode(errors="replace").split())
         word = command.split()[0]
@@ -230,7 +245,7 @@ class Slurm:
         if not ids:
             return {}
         command = f"scontrol -o show job {ids[0]}" if len(ids) == 1 else "scontrol -o show job"
-        p = self.ssh.run(self.login, command, timeout=TIMEOUT_S, check=False)
+        p = self.query(command)
         if p.returncode != 0 and b"Invalid job id" not in p.stderr:
             raise self.error(command, p)
         held = {}
@@ -250,7 +265,7 @@ class Slurm:
             f"sacct -n -P -X -D -j {joined} -S {start} -o {fields} 2>/dev/null && echo '@@dbd' || "
             f"sacct -c -n -P -j {joined} -S {start} -o {completion} 2>/dev/null"
         )
-        p = self.ssh.run(self.login, command, timeout=TIMEOUT_S, check=False)
+        p = self.query(command)
         text = p.stdout.decode(errors="replace")
         from_dbd = text.rstrip().endswith("@@dbd")
         return jobs_from_sacct(text.replace("@@dbd", ""), completion=not from_dbd)
@@ -271,10 +286,15 @@ class Slurm:
             raise UserError(f"sbatch on {self.login.destination} printed no job id: {out.strip()[:200]!r}")
         return job_id
 
-    def cancel(self, job_id: str, signal: str = "") -> None:
-        """scancel: the job's steps get SIGTERM, then SIGKILL after KillWait; with `signal`, only that signal."""
+    def cancel(self, job_id: str, signal: str = "", *, ended_ok: bool = False) -> None:
+        """scancel: the job's steps get SIGTERM, then SIGKILL after KillWait; with `signal`, only that signal.
+        `ended_ok`: a job that has ended meanwhile is no error."""
         option = f"--signal={signal} " if signal else ""
-        self.run(f"scancel {option}{shlex.quote(job_id)}")
+        try:
+            self.run(f"scancel {option}{shlex.quote(job_id)}")
+        except UserError as e:
+            if not (ended_ok and any(s in str(e) for s in ("Invalid job id", "already completing or completed"))):
+                raise
 
 
 def not_found(job_id: str, cluster: str) -> UserError:

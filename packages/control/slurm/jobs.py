@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 JOBS_DIR = "jobs"  # under the login node's workdir: the job table
 POLL_S = 1.0  # how often a follower asks Slurm about the job
 DRAIN_S = 1.0  # after the job ended: its last lines still on their way
+FOLLOW_RESTART_S = 5.0  # a follower whose connection dropped is started again this much later
 INT_GRACE_S = 5.0  # Ctrl-C: the job gets SIGINT, then is cancelled this much later (as the SSH launcher)
 CANCEL_WAIT_S = 180.0  # cancel waits for the ranks to checkpoint and stop (KillWait is 60 s on dtrain's clusters)
 RECENT_S = 24 * 3600  # `dtrain jobs` without --all: active jobs, and jobs submitted in the last day
@@ -141,7 +142,11 @@ class Session:
         """The login node's workdir, absolute (Slurm's --chdir and --output need absolute paths)."""
         if not self._workdir:
             w = shlex.quote(self.login.workdir)
-            self._workdir = self.slurm.run(f"mkdir -p {w} && cd {w} && pwd").strip()
+            command = f"mkdir -p {w} && cd {w} && pwd"
+            p = self.slurm.query(command)
+            if p.returncode != 0:
+                raise self.slurm.error(command, p)
+            self._workdir = p.stdout.decode().strip()
         return self._workdir
 
     @property
@@ -153,14 +158,14 @@ class Session:
         if not job_id or not set(job_id) <= JOB_ID_CHARS:
             raise UserError(f"{job_id!r} is not a Slurm job id (digits, as `dtrain submit` printed it)")
         path = shlex.quote(f"{self.workdir}/{JOBS_DIR}/{job_id}.json")
-        p = self.ssh.run(self.login, f"cat {path}", check=False)
+        p = self.slurm.query(f"cat {path}")
         if p.returncode != 0:
             raise not_found(job_id, self.cluster.name)
         return JobRecord.parse(p.stdout.decode())
 
     def records(self) -> list[JobRecord]:
         d = shlex.quote(f"{self.workdir}/{JOBS_DIR}")
-        out = self.slurm.run(f"cat {d}/*.json 2>/dev/null | tr '\\n' ' '; echo")  # one JSON object per file
+        out = self.slurm.query(f"cat {d}/*.json 2>/dev/null | tr '\\n' ' '; echo").stdout.decode()  # JSON objects
         decoder, text, records = json.JSONDecoder(), out.strip(), []
         while text:
             obj, end = decoder.raw_decode(text)
@@ -467,16 +472,75 @@ def follow_logs(
         return FollowResult(job_id, state, stopped=handle.stopped)
 
 
+class _Followers:
+    """A follower (dtrain.common.slurmstep follow) on each host that holds the job's logs, their lines in one
+    queue. One whose connection dropped (its node rebooted, say) is started again, and the lines it had
+    already given are skipped (the log files only grow)."""
+
+    def __init__(self, s: Session, rec: JobRecord) -> None:
+        self.s, self.command = s, _follow_command(s, rec, once=False)
+        self.lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.counts: dict[tuple[str, str], int] = {}  # (host, the log's node) -> lines given
+        self.skip: dict[tuple[str, str], int] = {}
+        self.restart_at: dict[str, float] = {}
+        for node in s.file_nodes:
+            self._start(node)
+
+    def _start(self, node: Node) -> None:
+        p = self.s.ssh.popen(
+            node,
+            self.command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a terminal's Ctrl-C is for dtrain: the job's last lines still come
+        )
+        self.procs[node.name] = p
+        threading.Thread(target=_read, args=(node.name, p, self.lines), daemon=True).start()
+
+    def drain(self, events: Events, wait: float) -> None:
+        """Report every line that has come (waiting up to `wait` for the first); restart dropped followers."""
+        try:
+            host, raw = self.lines.get(timeout=wait)
+        except queue.Empty:
+            host, raw = "", None
+        while host:
+            if raw is None:
+                self.restart_at[host] = time.monotonic() + FOLLOW_RESTART_S
+            else:
+                key = (host, raw.partition(" ")[0])
+                if self.skip.get(key, 0) > 0:
+                    self.skip[key] -= 1
+                else:
+                    self.counts[key] = self.counts.get(key, 0) + 1
+                    _show(raw, events)
+            try:
+                host, raw = self.lines.get_nowait()
+            except queue.Empty:
+                host = ""
+        for name, at in list(self.restart_at.items()):
+            if time.monotonic() >= at:
+                del self.restart_at[name]
+                self.skip.update({k: v for k, v in self.counts.items() if k[0] == name})
+                self._start(next(n for n in self.s.file_nodes if n.name == name))
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            with contextlib.suppress(OSError):
+                p.stdin.close()  # type: ignore[union-attr]  # the follower exits when its stdin closes
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 def _follow(s: Session, rec: JobRecord, *, events: Events, handle: Handle, control: bool) -> JobState | None:
     """Follow a job's logs until it ends. `control`: the caller's stop requests stop the job (dtrain
     train); otherwise they stop the following only."""
-    lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
-    command = _follow_command(s, rec, once=False)
-    procs = {}
-    for node in s.file_nodes:
-        p = s.ssh.popen(node, command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        procs[node.name] = p
-        threading.Thread(target=_read, args=(node.name, p, lines), daemon=True).start()
+    followers = _Followers(s, rec)
     last: JobState | None = None
     kill_at = float("inf")
     next_poll = 0.0
@@ -488,14 +552,9 @@ def _follow(s: Session, rec: JobRecord, *, events: Events, handle: Handle, contr
                     return last
                 kill_at = min(kill_at, _stop_job(s, rec, stop, events))
             if time.monotonic() > kill_at:
-                s.slurm.cancel(rec.job_id)
+                s.slurm.cancel(rec.job_id, ended_ok=True)
                 kill_at = float("inf")
-            try:
-                _node, raw = lines.get(timeout=0.1)
-            except queue.Empty:
-                raw = None
-            if raw is not None:
-                _show(raw, events)
+            followers.drain(events, wait=0.1)
             if time.monotonic() >= next_poll and ended_at == float("inf"):
                 next_poll = time.monotonic() + POLL_S
                 state = s.state(rec)
@@ -503,21 +562,10 @@ def _follow(s: Session, rec: JobRecord, *, events: Events, handle: Handle, contr
                 last = state
                 if state is None or state.settled:
                     ended_at = time.monotonic()
-        while not lines.empty():
-            _node, raw = lines.get()
-            if raw is not None:
-                _show(raw, events)
+        followers.drain(events, wait=0)
         return last
     finally:
-        for p in procs.values():
-            with contextlib.suppress(OSError):
-                p.stdin.close()  # type: ignore[union-attr]  # the follower exits when its stdin closes
-        for p in procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        followers.close()
 
 
 def _read(node: str, p: subprocess.Popen, out: queue.Queue) -> None:
@@ -554,15 +602,18 @@ def _report(before: JobState | None, now: JobState | None, events: Events) -> No
 def _stop_job(s: Session, rec: JobRecord, stop: Stop, events: Events) -> float:
     """Pass the caller's stop request to the job; returns when to cancel it outright (inf: not needed)."""
     if stop == Stop.KILL:
-        s.slurm.cancel(rec.job_id, "KILL")
-        s.slurm.cancel(rec.job_id)
+        s.slurm.cancel(rec.job_id, "KILL", ended_ok=True)
+        s.slurm.cancel(rec.job_id, ended_ok=True)
         return float("inf")
     if stop == Stop.INTERRUPT:
         events.info("dtrain: interrupted: stopping the job on every node")
-        s.slurm.cancel(rec.job_id, "INT")
+        try:
+            s.slurm.cancel(rec.job_id, "INT", ended_ok=True)
+        except UserError:  # still queued: no process to signal; it just leaves the queue
+            s.slurm.cancel(rec.job_id, ended_ok=True)
         return time.monotonic() + INT_GRACE_S
     events.info("dtrain: SIGTERM: the job checkpoints and stops on every node")
-    s.slurm.cancel(rec.job_id)  # Slurm's own termination: SIGTERM, then SIGKILL after KillWait
+    s.slurm.cancel(rec.job_id, ended_ok=True)  # Slurm's own termination: SIGTERM, then SIGKILL after KillWait
     return float("inf")
 
 
@@ -595,6 +646,7 @@ def run_job(req: LaunchRequest, r: Resolved, *, events: Events, handle: Handle) 
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a terminal's Ctrl-C reaches dtrain, which stops the job; this only guards
         )
         try:
             interrupted: list[Stop] = []
