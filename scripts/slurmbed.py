@@ -115,13 +115,13 @@ class SlurmBed:
 
     # -- dtrain.toml ------------------------------------------------------------------------------------
 
-    def hosts_toml(self, name: str, python: str, *, nodes: int = 0, env: dict[str, str] | None = None,
-                   workdir: str = "/var/lib/slurm/dtrain") -> str:  # fmt: skip
-        """[clusters.NAME] of the first `nodes` hosts (default all), backend hosts with slurm = true. Every node
-        gets the same workdir (Slurm's rule), on its own disk (under its private /var/lib/slurm)."""
-        chosen = self.hosts[: nodes or len(self.hosts)]
+    def hosts_toml(self, name: str, python: str, *, nodes: int = 0, first: int = 0, slurm: bool = True,
+                   env: dict[str, str] | None = None, workdir: str = "/var/lib/slurm/dtrain") -> str:  # fmt: skip
+        """[clusters.NAME] of `nodes` hosts (default: all) from h<first>, backend hosts with slurm = true (or
+        without Slurm). Every node gets the same workdir (Slurm's rule), on its own disk (its /var/lib/slurm)."""
+        chosen = self.hosts[first : first + nodes] if nodes else self.hosts[first:]
         q = json.dumps
-        lines = [f"[clusters.{name}]", 'backend = "hosts"', "slurm = true", 'user = "root"',
+        lines = [f"[clusters.{name}]", 'backend = "hosts"', f"slurm = {str(slurm).lower()}", 'user = "root"',
                  f"key = {q(str(self.bed.key))}", f"python = {q(python)}",
                  f"known_hosts = {q(str(self.known_hosts))}", f"workdir = {q(workdir)}",
                  "shared_fs = true"]  # fmt: skip

@@ -223,7 +223,12 @@ def _submit(
     cluster, spec, workload = s.cluster, s.spec, req.workload
     nodes = nodes or spec.nodes or (len(cluster.nodes) if spec.managed else 1)
     w = shlex.quote(s.login.workdir)
-    survey = s.slurm.run(f"mkdir -p {w} && cd {w} && pwd && echo @@ && {SINFO_NODES}")
+    try:
+        survey = s.slurm.run(f"mkdir -p {w} && cd {w} && pwd && echo @@ && {SINFO_NODES}")
+    except UserError as e:
+        if not spec.managed or "has no `" in str(e):
+            raise
+        raise UserError(f"{e}: is Slurm set up there? run dtrain slurm setup --cluster {cluster.name}") from None
     s.workdir_is(survey.split("@@", 1)[0].strip())
     partition, members = _partition(s, *parse_nodes(survey.split("@@", 1)[1]), nodes, events)
     gpus = spec.gpus_per_node or (min(n.gpus for n in members) if spec.managed else 0)
