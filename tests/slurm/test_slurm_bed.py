@@ -361,6 +361,8 @@ def test_a_users_slurm_cluster_through_its_login_node(bed: Env) -> None:
     assert (job_dir / f"slurm-{job}.out").is_file()
     logs = bed.dtrain("logs", job, "--cluster", "user")
     assert "[h0] epoch 2/2: eval accuracy" in logs.stdout and "[h1] dtrain: new on h1" in logs.stdout
+    by_run = bed.dtrain("logs", row["run_id"], "--output", str(bed.runs))  # the run keeps a copy of them
+    assert by_run.returncode == 0 and "[h0] epoch 2/2: eval accuracy" in by_run.stdout, by_run.stderr
 
 
 @pytest.mark.slow
