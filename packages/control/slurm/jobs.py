@@ -72,8 +72,7 @@ class JobRecord:
     cluster: str
 
     @classmethod
-    def parse(cls, text: str) -> JobRecord:
-        d = json.loads(text)
+    def from_dict(cls, d: dict[str, Any]) -> JobRecord:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
 
 
@@ -161,7 +160,7 @@ class Session:
         p = self.slurm.query(f"cat {path}")
         if p.returncode != 0:
             raise not_found(job_id, self.cluster.name)
-        return JobRecord.parse(p.stdout.decode())
+        return JobRecord.from_dict(json.loads(p.stdout))
 
     def records(self) -> list[JobRecord]:
         d = shlex.quote(f"{self.workdir}/{JOBS_DIR}")
@@ -169,7 +168,7 @@ class Session:
         decoder, text, records = json.JSONDecoder(), out.strip(), []
         while text:
             obj, end = decoder.raw_decode(text)
-            records.append(JobRecord(**{f.name: obj[f.name] for f in dataclasses.fields(JobRecord)}))
+            records.append(JobRecord.from_dict(obj))
             text = text[end:].lstrip()
         return sorted(records, key=lambda r: int(r.job_id))
 
