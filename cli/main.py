@@ -52,6 +52,7 @@ def _register() -> None:
         dashboard_cmd,
         eval_cmd,
         gcp_cmd,
+        jobs_cmd,
         runs_cmd,
         train_cmd,
     )
@@ -73,6 +74,10 @@ def _register() -> None:
     app.command("status")(gcp_cmd.status)
     app.command("preflight")(gcp_cmd.preflight_cmd)
     app.command("dashboard")(dashboard_cmd.dashboard)
+    app.add_typer(jobs_cmd.submit_app, name="submit")
+    app.command("jobs")(jobs_cmd.jobs)
+    app.command("cancel")(jobs_cmd.cancel)
+    app.add_typer(jobs_cmd.slurm_app, name="slurm")
 
 
 _register()

@@ -57,12 +57,20 @@ def _styled(status: str) -> str:
 
 
 def logs(
-    run: Annotated[str, typer.Argument(help="run id under --output, or the run's directory / gs:// URL")],
+    run: Annotated[str, typer.Argument(help="run id under --output, or the run's directory / gs:// URL; or a job id")],
     output: o.Output = None,
     node: Annotated[str | None, typer.Option("--node", help="only this node's lines", show_default=False)] = None,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing new lines until the run ends")] = False,
+    cluster: o.Cluster = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="keep printing new lines until the run or job ends")
+    ] = False,
 ) -> None:
-    """A cluster run's logs: every node's lines in time order, prefixed with the node's name; -f follows them live."""
+    """A cluster run's logs: every node's lines in time order, prefixed with the node's name; -f follows them
+    live. A Slurm job's (`dtrain logs JOB --cluster NAME [-f]`) the same way."""
+    if run.isdigit():  # a Slurm job id (run ids are <workload>-<time>-<hex>)
+        from dtrain.cli import jobs_cmd
+
+        return jobs_cmd.logs(run, cluster, follow)
     if follow:
         from dtrain.control.logs import follow_logs
 

@@ -9,6 +9,7 @@ import enum
 import inspect
 import sys
 import typing
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -45,7 +46,11 @@ def _option(key: Any) -> Any:
     return Annotated[tp | None, typer.Option(flag(key.name), help=help_text, show_default=False)]
 
 
-def _register(workload: str) -> None:
+def workload_command(
+    workload: str, run: Callable[[str, dict[str, Any], dict[str, Any]], None], extra: dict[str, tuple[Any, Any]]
+) -> Callable[..., None]:
+    """A command taking the workload's options (its config and [run]), the launch-only options and `extra`
+    (name -> (annotation, default)); it calls run(workload, settings flags, every option given)."""
     from dtrain.control.settings import schema, workload_class
 
     cls = workload_class(workload)
@@ -57,9 +62,10 @@ def _register(workload: str) -> None:
     for k in keys:
         annotations[k.name] = _option(k)
         by_param[k.name] = k.key
-    for name, (annotation, _default) in LAUNCH_ONLY.items():
+    options = {**LAUNCH_ONLY, **extra}
+    for name, (annotation, _default) in options.items():
         annotations[name] = annotation
-    defaults = {name: default for name, (_a, default) in LAUNCH_ONLY.items()}
+    defaults = {name: default for name, (_a, default) in options.items()}
     # typer reads both the signature and the annotations.
     params = [
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(name), annotation=annotation)
@@ -67,7 +73,17 @@ def _register(workload: str) -> None:
     ]
 
     def command(**given: Any) -> None:
-        flags = {by_param[name]: value for name, value in given.items() if name in by_param}
+        run(workload, {by_param[name]: value for name, value in given.items() if name in by_param}, given)
+
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__annotations__ = annotations
+    command.__doc__ = (cls.__doc__ or "").strip().split("\n\n")[0]
+    command.__name__ = workload
+    return command
+
+
+def _register(workload: str) -> None:
+    def train(workload: str, flags: dict[str, Any], given: dict[str, Any]) -> None:
         console.state.exit_code = launch(
             workload,
             flags,
@@ -76,11 +92,7 @@ def _register(workload: str) -> None:
             oversubscribe=given["oversubscribe"],
         )
 
-    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
-    command.__annotations__ = annotations
-    command.__doc__ = (cls.__doc__ or "").strip().split("\n\n")[0]
-    command.__name__ = workload
-    app.command(workload)(command)
+    app.command(workload)(workload_command(workload, train, {}))
 
 
 def launch(

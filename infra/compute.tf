@@ -79,6 +79,7 @@ resource "google_compute_instance" "node" {
     "dtrain-ssh-user"         = var.ssh_user
     "dtrain-gpus"             = tostring(module.plan.gpus)
     "dtrain-registry-host"    = local.registry_host
+    "dtrain-slurm"            = var.slurm ? "1" : "0"
     # Deep Learning VM images install the driver on first boot only if the image lacks it;
     # the -nvidia-580 families ship it, so this is a no-op there and a fallback elsewhere.
     "install-nvidia-driver" = module.plan.gpus > 0 ? "True" : "False"

@@ -15,6 +15,7 @@
 #   dtrain-ssh-user        login user to create and add to the docker group (default dtrain)
 #   dtrain-gpus            GPUs the node must show in nvidia-smi (default 0 = CPU node)
 #   dtrain-registry-host   Artifact Registry host to configure docker's credential helper for
+#   dtrain-slurm           1: install Slurm and munge (dtrain configures and starts them over SSH; docs/slurm.md)
 #
 # The DTRAIN_* environment variables below exist so tests can run the script against stubs.
 set -uo pipefail
@@ -171,8 +172,21 @@ configure_registry() {
   fi
 }
 
+ensure_slurm() {
+  # Slurm and munge from the distribution's packages. Only installed here: `dtrain up` writes slurm.conf
+  # and the cluster's munge key over SSH and starts the daemons (the packages' slurmd and slurmctld units
+  # wait for /etc/slurm/slurm.conf). The key never passes through metadata: munge's own random key stays
+  # until dtrain replaces it. About 4 MB of packages (plus libraries an image may lack).
+  local missing=()
+  command -v slurmd >/dev/null 2>&1 || missing+=(slurm-wlm)
+  command -v munged >/dev/null 2>&1 || missing+=(munge)
+  [ "${#missing[@]}" -eq 0 ] && return 0
+  command -v apt-get >/dev/null 2>&1 || fail "Slurm is missing and this image has no apt-get to install it"
+  apt_install "${missing[@]}" || fail "apt-get install ${missing[*]} failed"
+}
+
 main() {
-  local ssh_user gpus registry_host docker_version
+  local ssh_user gpus registry_host slurm docker_version
   rm -f "$READY_FILE"
   mkdir -p "$STATE_DIR" || { log "cannot create $STATE_DIR"; exit 1; }
   # One run at a time (the guest agent, or someone re-running `google_metadata_script_runner startup`).
@@ -184,6 +198,7 @@ main() {
   gpus="$(metadata_get dtrain-gpus || true)"
   gpus="${gpus:-0}"
   registry_host="$(metadata_get dtrain-registry-host || true)"
+  slurm="$(metadata_get dtrain-slurm || true)"
   [[ "$ssh_user" =~ ^[a-z_][a-z0-9_-]{0,31}$ ]] || fail "metadata dtrain-ssh-user '$ssh_user' is not a valid user name"
   [[ "$gpus" =~ ^[0-9]+$ ]] || fail "metadata dtrain-gpus '$gpus' is not a number"
   log "user=$ssh_user gpus=$gpus registry=${registry_host:-none}"
@@ -194,6 +209,9 @@ main() {
   fi
   ensure_user "$ssh_user"
   configure_registry "$ssh_user" "$registry_host"
+  if [ "${slurm:-0}" = 1 ]; then
+    ensure_slurm
+  fi
 
   docker_version="$(docker version --format '{{.Server.Version}}' 2>/dev/null)" ||
     fail "docker version failed after setup"

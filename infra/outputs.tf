@@ -8,6 +8,7 @@ output "cluster" {
     bucket   = "gs://${google_storage_bucket.checkpoints.name}"
     registry = "${local.registry_host}/${var.project_id}/${google_artifact_registry_repository.images.repository_id}"
     ssh_user = var.ssh_user
+    slurm    = var.slurm
     nodes = [
       for name in module.plan.node_names : {
         name         = name

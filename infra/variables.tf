@@ -275,6 +275,12 @@ variable "adopt_bucket" {
   description = "The checkpoint bucket already exists (`dtrain down` keeps it, taking it out of the state): import it instead of creating it. dtrain up sets it when it finds the bucket labelled with this cluster's name."
 }
 
+variable "slurm" {
+  type        = bool
+  default     = true
+  description = "Install Slurm and munge on every node (the startup script); `dtrain up` then configures them over SSH (slurmctld on the master, slurmd on every node) and jobs queue (docs/slurm.md). Slurm's ports need no rule of their own: the internal rule admits only the cluster's own nodes."
+}
+
 variable "observability_roles" {
   type        = bool
   default     = false

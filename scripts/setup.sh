@@ -30,11 +30,12 @@ APT_PACKAGES=(
 DEV_APT_PACKAGES=(
   # the multi-host test bed (scripts/testbed.py, tests/cluster): netns, bridge, sshd per host
   openssh-server openssh-client iproute2 iptables procps
-  shellcheck  # tests/infra: the GCP nodes' startup script (docker/node-startup.sh)
+  shellcheck  # tests/infra: the GCP nodes' startup script (infra/node-startup.sh)
   # tests/docker: a Docker engine, a locally made base image, compose (bookworm has v1 only) and a
   # registry to push to and pull from
   docker.io debootstrap docker-compose docker-registry
   chromium  # tests/dashboard: the pages in a real headless browser (Playwright drives it; no browser download)
+  slurm-wlm munge  # tests/slurm: a real Slurm across the test bed's hosts (scripts/slurmbed.py)
 )
 EXTRAS="train"
 [ "$DEV" = 1 ] && APT_PACKAGES+=("${DEV_APT_PACKAGES[@]}") && EXTRAS="dev,lora,tensorboard"

@@ -21,6 +21,13 @@ From a shell::
 
     python scripts/testbed.py up --hosts 2 --dir /tmp/bed [--python PY] [--gcs]   # Ctrl-C tears down
     python scripts/testbed.py down --dir /tmp/bed        # or: down --all (every stale test bed)
+
+``Testbed.create(n, root, hostnames=True, private=("/etc/slurm", ...))`` makes hosts that look more like
+separate machines: each runs under its own hostname (its name, h0, h1, ...; /etc/hosts inside maps the other
+hosts' names to their addresses) and has its own copy of each ``private`` directory (bind-mounted over the
+real one for sshd and everything it starts, initially empty with the real directory's owner and mode), so
+that daemons writing system paths (/etc/munge, /run/munge, ...) do not share them. ``crash(host)`` kills
+every process of a host and ``revive(host)`` starts its sshd again (scripts/slurmbed.py uses these).
 """
 
 from __future__ import annotations
@@ -112,13 +119,16 @@ def _locked():
 NETNS_ETC = Path("/etc/netns")
 
 
-def _debian_hosts(ns: str) -> None:
+def _debian_hosts(ns: str, hostname: str = "", others: dict[str, str] | None = None) -> None:
     """/etc/hosts as Debian and Ubuntu write it, for every process `ip netns exec` starts in `ns` (it
-    bind-mounts /etc/netns/<ns>/hosts over /etc/hosts): the machine's hostname maps to 127.0.1.1, so a
-    program that looks up its own address (gloo, NCCL) gets loopback unless told which interface to use."""
+    bind-mounts /etc/netns/<ns>/hosts over /etc/hosts): the host's hostname (default: the machine's) maps
+    to 127.0.1.1, so a program that looks up its own address (gloo, NCCL) gets loopback unless told which
+    interface to use. `others`: the other hosts' names and addresses, as a cluster's DNS would give them."""
     d = NETNS_ETC / ns
     d.mkdir(parents=True, exist_ok=True)
-    (d / "hosts").write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{socket.gethostname()}\n")
+    lines = ["127.0.0.1\tlocalhost", f"127.0.1.1\t{hostname or socket.gethostname()}"]
+    lines += [f"{address}\t{name}" for name, address in (others or {}).items()]
+    (d / "hosts").write_text("\n".join(lines) + "\n")
 
 
 def _teardown(state: dict, procs: tuple | list = ()) -> None:
@@ -182,8 +192,11 @@ class Testbed:
         return None if r.returncode == 0 else f"cannot create a network namespace: {r.stderr.strip()}"
 
     @classmethod
-    def create(cls, n: int, root: Path) -> Testbed:
-        """Creates ``n`` hosts with files under ``root`` (which must not exist or be empty; destroy() deletes it)."""
+    def create(cls, n: int, root: Path, *, hostnames: bool = False, private: tuple[str, ...] = ()) -> Testbed:
+        """Creates ``n`` hosts with files under ``root`` (which must not exist or be empty; destroy() deletes it).
+
+        ``hostnames``: each host runs under its own hostname (h0, h1, ...) and resolves the others' names.
+        ``private``: absolute directories each host gets its own empty copy of (see the module docstring)."""
         root = Path(root).resolve()
         if root.exists() and any(root.iterdir()):
             raise ValueError(f"test bed root {root} is not empty")
@@ -196,6 +209,7 @@ class Testbed:
                 "prefix": prefix, "k": k, "pid": os.getpid(), "start": _start_time(os.getpid()),
                 "root": str(root), "bridge": f"dtbr{prefix[2:]}", "forward_rule": None,
                 "namespaces": [f"{prefix}-h{i}" for i in range(n)], "veths": [f"{prefix}v{i}" for i in range(n)],
+                "hostnames": hostnames, "private": list(private),
             }  # fmt: skip
             (STATE_DIR / f"{prefix}.json").write_text(json.dumps(state))  # written before anything exists
             bed = cls(state, [])
@@ -233,10 +247,14 @@ class Testbed:
             self.state["forward_rule"] = ["-i", br, "-o", br, "-j", "ACCEPT"]
             (STATE_DIR / f"{self.prefix}.json").write_text(json.dumps(self.state))
             _run("iptables", "-I", "FORWARD", *self.state["forward_rule"])
+        names = {f"h{i}": f"{SUBNET}.{k}.{11 + i}" for i in range(n)}
         for i, (ns, veth) in enumerate(zip(self.state["namespaces"], self.state["veths"], strict=True)):
             peer = f"{self.prefix}p{i}"
             _run("ip", "netns", "add", ns)
-            _debian_hosts(ns)
+            if self.state.get("hostnames"):
+                _debian_hosts(ns, f"h{i}", {name: a for name, a in names.items() if name != f"h{i}"})
+            else:
+                _debian_hosts(ns)
             _run("ip", "link", "add", veth, "type", "veth", "peer", "name", peer)
             _run("ip", "link", "set", veth, "master", br, "up")
             _run("ip", "link", "set", peer, "netns", ns)
@@ -267,9 +285,49 @@ class Testbed:
             pub = hostkey.with_suffix(".pub").read_text().strip()
             self.hosts.append(Host(name, address, ns, d, d / "work", pub))
         for host in self.hosts:
-            log = host.dir / "sshd.log"
-            proc = self._spawn(host, [SSHD, "-D", "-e", "-f", str(host.dir / "sshd_config")], log)
-            _wait_listening(host.address, 22, proc, f"sshd of {host.name}", log)
+            self._make_private(host)
+            self._start_sshd(host)
+
+    def _make_private(self, host: Host) -> None:
+        """The host's own copy of each private directory: empty, with the real one's owner and mode."""
+        for path in self.state.get("private", []):
+            real, mine = Path(path), host.dir / "fs" / path.lstrip("/")
+            real.mkdir(parents=True, exist_ok=True)  # a mount point (an empty directory when it was missing)
+            mine.mkdir(parents=True, exist_ok=True)
+            st = real.stat()
+            os.chown(mine, st.st_uid, st.st_gid)
+            mine.chmod(st.st_mode & 0o7777)
+
+    def _start_sshd(self, host: Host) -> None:
+        """sshd of ``host``: under its own hostname and private directories when the test bed has them."""
+        argv = [SSHD, "-D", "-e", "-f", str(host.dir / "sshd_config")]
+        private = self.state.get("private", [])
+        if self.state.get("hostnames") or private:
+            steps = [f"hostname {host.name}"] if self.state.get("hostnames") else []
+            steps += [f"mount --bind {host.dir / 'fs' / p.lstrip('/')} {p}" for p in private]
+            # A mount namespace of its own (propagation private: nothing reaches the machine's), inherited by
+            # every SSH session and what it starts.
+            argv = ["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c",
+                    " && ".join([*steps, 'exec "$@"']), "sh", *argv]  # fmt: skip
+        log = host.dir / "sshd.log"
+        proc = self._spawn(host, argv, log)
+        _wait_listening(host.address, 22, proc, f"sshd of {host.name}", log)
+
+    def crash(self, host: Host) -> None:
+        """Kills every process of ``host`` at once (sshd, sessions, daemons, jobs), as a machine that dies."""
+        for _ in range(50):  # until empty: a dying sshd may still fork a session
+            pids = self.pids(host)
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
+        raise RuntimeError(f"processes of {host.name} survive SIGKILL: {self.pids(host)}")
+
+    def revive(self, host: Host) -> None:
+        """Starts ``host``'s sshd again after crash() (its private directories keep what was written there)."""
+        self._start_sshd(host)
 
     def _spawn(self, host: Host, argv: list[str], log: Path, **kwargs) -> subprocess.Popen:
         """Starts a server in ``host`` with output to ``log``; destroy() kills it."""

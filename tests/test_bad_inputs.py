@@ -173,6 +173,7 @@ def test_resume_with_other_model_config(refused_resume):
         == sorted(r.files_before)
         == [
             "LATEST",
+            "final/curves.png",
             "final/model.json",
             "final/model.safetensors",
             "step-00000008/meta.json",

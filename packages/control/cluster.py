@@ -13,9 +13,12 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtrain.common.errors import UserError
+
+if TYPE_CHECKING:
+    from dtrain.control.slurm.spec import SlurmSpec
 
 DEFAULT_RDZV_PORT = 29400
 DEFAULT_RDZV_TIMEOUT_S = 120
@@ -59,7 +62,8 @@ class Cluster:
     default_output: str = ""  # where runs go when --output is not given (gcp: the cluster's bucket)
     image: str = ""  # container mode: every node runs the job in this image (docker run); "": synced mode
     needs_image: bool = False  # the nodes have no Python with torch: synced mode cannot work
-    launcher: str = "ssh"  # how jobs start: "ssh" (dtrain.control.remote) or "local" (this machine, no SSH)
+    launcher: str = "ssh"  # how jobs start: "ssh" (dtrain.control.remote), "local" (no SSH) or "slurm"
+    slurm: SlurmSpec | None = None  # the cluster's Slurm (launcher "slurm"): dtrain.control.slurm
 
     @property
     def master(self) -> Node:

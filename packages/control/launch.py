@@ -44,8 +44,19 @@ class LaunchResult:
         return self.exit_code == ExitCode.OK
 
 
-def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResult:
-    """Resolve the settings and run the workload to its end; returns the job's exit code."""
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A request's settings resolved once: the cluster it goes to, where its run goes, the run it resumes."""
+
+    settings: Any  # dtrain.control.settings.Settings, with a resumed run's config beneath the rest
+    cluster: Any  # dtrain.control.cluster.Cluster
+    output: str
+    resumed: Any  # the resumed run's Store, or None
+
+
+def resolve(req: LaunchRequest) -> Resolved:
+    """Resolve the settings, the cluster (its backend) and the output, locate a --resume run and put its
+    saved config beneath the file, environment and flags, and validate the workload's whole config."""
     from dtrain.common.rundir import locate, read_json
     from dtrain.control import backends
     from dtrain.control.settings import DEFAULT, get_cluster, load_settings
@@ -78,6 +89,19 @@ def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResul
         flat = saved.get("config") or {}
         settings = load_settings(req.config_path, req.flags, saved=(f"{resumed.url}/config.json", workload, flat))
     settings.workload(workload)  # validate the whole workload config before starting anything
+    return Resolved(settings, cluster, output, resumed)
+
+
+def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResult:
+    """Resolve the settings and run the workload to its end; returns the job's exit code."""
+    workload = req.workload
+    r = resolve(req)
+    settings, cluster, output, resumed = r.settings, r.cluster, r.output, r.resumed
+
+    if cluster.launcher == "slurm":  # an allocation, then the same torchrun, followed until it ends
+        from dtrain.control.slurm.jobs import run_job
+
+        return run_job(req, r, events=events, handle=handle)
 
     if cluster.launcher == "local":
         from dtrain.control.local import plan_local, run_local

@@ -143,15 +143,14 @@ def doctor(
     checks: list[Check] = []
     run_id = f"doctor-{os.getpid()}"
     c = cluster
+    if c.slurm is not None and not c.slurm.managed:  # a user's Slurm: its login node, and Slurm as seen from it
+        from dtrain.control.slurm.setup import doctor_checks
+
+        with ssh:
+            reachable = [n for n in c.nodes if _answers(ssh, n, checks)]
+            return checks + doctor_checks(ssh, c, reachable)
     with ssh:
-        reachable = []
-        for n in c.nodes:
-            try:
-                ssh.run(n, "true", timeout=40)
-                checks.append(Check(n.name, "ssh", True, f"{n.destination}:{n.port}"))
-                reachable.append(n)
-            except UserError as e:
-                checks.append(Check(n.name, "ssh", False, str(e).split(": ", 1)[-1], "fix the inventory or the node"))
+        reachable = [n for n in c.nodes if _answers(ssh, n, checks)]
         infos: dict[str, Any] = {}
         if reachable:
             archive, _ = remote.code_archive()
@@ -175,7 +174,22 @@ def doctor(
             checks.append(Check("all", "all-reduce", False, "skipped: fix the checks above first"))
         with contextlib.suppress(Exception):
             ssh.each(lambda n: ssh.run(n, f"rm -rf {shlex.quote(remote.run_dir(n, run_id))}", check=False), reachable)
+        if c.slurm is not None:  # munge and Slurm on every node
+            from dtrain.control.slurm.setup import doctor_checks
+
+            checks += doctor_checks(ssh, c, reachable)
     return checks
+
+
+def _answers(ssh: Any, n: Node, checks: list[Check]) -> bool:
+    """Whether `n` answers SSH; the result goes into `checks`."""
+    try:
+        ssh.run(n, "true", timeout=40)
+        checks.append(Check(n.name, "ssh", True, f"{n.destination}:{n.port}"))
+        return True
+    except UserError as e:
+        checks.append(Check(n.name, "ssh", False, str(e).split(": ", 1)[-1], "fix the inventory or the node"))
+        return False
 
 
 def _version_checks(c: Any, infos: dict[str, Any]) -> list[Check]:

@@ -100,6 +100,7 @@ class SSH:
                 capture_output=True,
                 timeout=timeout,
                 stdin=subprocess.DEVNULL if input is None else None,
+                start_new_session=True,  # a terminal's Ctrl-C is for dtrain to handle, not for a short command
             )
         except subprocess.TimeoutExpired:
             raise NodeError(node, f"no answer within {timeout:.0f} s running {_short(command)}") from None

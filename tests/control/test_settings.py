@@ -358,7 +358,7 @@ def test_unknown_cluster_is_only_an_error_when_asked_for(cwd):
     s = load_settings(env={"DTRAIN_CLUSTER": "gpu"})
     assert error_of(lambda: get_cluster(s)) == (
         "unknown cluster 'gpu' (from DTRAIN_CLUSTER); no clusters are defined: add a [clusters.gpu] table "
-        'with backend = "local" | "hosts" | "gcp" to dtrain.toml'
+        'with backend = "local" | "hosts" | "gcp" | "slurm" to dtrain.toml'
     )
     assert get_cluster(load_settings(env={})).backend == "local"
 
@@ -376,9 +376,12 @@ def test_unknown_cluster_is_only_an_error_when_asked_for(cwd):
         ),
         (
             '[clusters.gpu]\nbackend = "aws"',
-            "dtrain.toml: clusters.gpu.backend must be one of local | hosts | gcp, got 'aws'",
+            "dtrain.toml: clusters.gpu.backend must be one of local | hosts | gcp | slurm, got 'aws'",
         ),
-        ("[clusters.gpu]\n", 'dtrain.toml: clusters.gpu.backend is required (one of "local" | "hosts" | "gcp")'),
+        (
+            "[clusters.gpu]\n",
+            'dtrain.toml: clusters.gpu.backend is required (one of "local" | "hosts" | "gcp" | "slurm")',
+        ),
         ('clusters = "gpu"', "dtrain.toml: clusters must be tables [clusters.NAME], got a string"),
         ('[clusters]\ngpu = "gcp"', "dtrain.toml: clusters.gpu must be a table ([clusters.gpu]), got a string"),
     ],

@@ -36,8 +36,8 @@ UNLABELLED = {
 TAG = "${module.plan.network_tag}"
 IAP_RANGE = "35.235.240.0/20"
 NODE_KEYS = {"name", "role", "internal_ip", "external_ip", "gpus", "accelerator", "machine_type"}
-RECORD_KEYS = {"name", "project", "region", "zone", "bucket", "registry", "ssh_user", "nodes"}
-ROOT_ONLY_VARIABLES = {"force_destroy", "observability_roles", "adopt_bucket", "os_login"}
+RECORD_KEYS = {"name", "project", "region", "zone", "bucket", "registry", "ssh_user", "slurm", "nodes"}
+ROOT_ONLY_VARIABLES = {"force_destroy", "observability_roles", "adopt_bucket", "os_login", "slurm"}
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ REGISTRY: dict[str, str] = {
     "local": "dtrain.control.backends.local",
     "hosts": "dtrain.control.backends.hosts",
     "gcp": "dtrain.control.backends.gcp",
+    "slurm": "dtrain.control.backends.slurm",
 }
 
 

@@ -111,6 +111,11 @@ class Gcp:
             for n in sorted(rec["nodes"], key=lambda n: n["role"] != "master")
         )
         image = check_image(gs.image, where(cfg)) if gs.image else _built_image(name)
+        slurm = None
+        if rec.get("slurm"):  # infra/ installed Slurm (var.slurm); `dtrain up` configured it
+            from dtrain.control.slurm.spec import SlurmSpec
+
+            slurm = SlurmSpec(login=nodes[0], managed=True)
         return Cluster(
             name=name,
             backend="gcp",
@@ -124,6 +129,8 @@ class Gcp:
             # infra/'s images have Docker but no torch: jobs run from an image, unless the record names
             # a Python for the nodes (nodes prepared by hand, or the tests' stand-in).
             needs_image=not any(n.get("python") for n in rec["nodes"]),
+            launcher="slurm" if slurm else "ssh",
+            slurm=slurm,
         )
 
     # Lifecycle: dtrain.control.gcp.lifecycle, imported when used (it pulls in the Google libraries).
@@ -136,7 +143,13 @@ class Gcp:
     def up(self, cfg: ClusterConfig, **kw: Any) -> Any:
         from dtrain.control.gcp import lifecycle
 
-        return lifecycle.up(cfg, **kw)
+        result = lifecycle.up(cfg, **kw)
+        cluster = self.cluster(cfg)
+        if cluster.slurm is not None:  # (re)configure Slurm for the nodes the cluster now has
+            from dtrain.control.slurm.setup import setup
+
+            setup(cluster, events=kw["events"], handle=kw["handle"])
+        return result
 
     def down(self, cfg: ClusterConfig, **kw: Any) -> Any:
         from dtrain.control.gcp import lifecycle

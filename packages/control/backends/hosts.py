@@ -18,7 +18,9 @@ file of its own). dtrain reaches them over SSH; nothing is created or destroyed.
     name = "n1"
     address = "10.0.0.11"
 
-or `inventory = "hosts.toml"`, a file holding the same keys.
+or `inventory = "hosts.toml"`, a file holding the same keys. With `slurm = true`, dtrain sets up Slurm on
+these nodes (`dtrain slurm setup`) and jobs go through it (dtrain.control.slurm); every node then needs
+the same workdir and python.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 NODE_KEYS = {f.name: f for f in dataclasses.fields(Node)}
 NODE_TYPES = typing.get_type_hints(Node)
 NODE_DEFAULT_KEYS = set(NODE_KEYS) - {"name", "address", "master", "ssh_host"}
-CLUSTER_KEYS = {"rdzv_port", "rdzv_timeout", "known_hosts", "env", "shared_fs", "nodes", "image"}
+CLUSTER_KEYS = {"rdzv_port", "rdzv_timeout", "known_hosts", "env", "shared_fs", "nodes", "image", "slurm"}
 HOSTS_KEYS = NODE_DEFAULT_KEYS | CLUSTER_KEYS | {"inventory"}
 
 
@@ -134,6 +136,19 @@ def _build_cluster(name: str, backend: str, spec: Mapping[str, Any], where: str,
             raise UserError(f"{where}: env.{k} must be a variable name with a string value")
     shared_fs = typed(spec.get("shared_fs", False), bool, "shared_fs", where)
     image = check_image(typed(spec.get("image", ""), str, "image", where), where) if spec.get("image") else ""
+    slurm = None
+    if typed(spec.get("slurm", False), bool, "slurm", where):
+        from dtrain.control.slurm.spec import SlurmSpec
+
+        # Slurm starts a job's script in one directory, with one command line, on whichever nodes it picks.
+        for key in ("workdir", "python"):
+            other = next((n for n in ordered if getattr(n, key) != getattr(master, key)), None)
+            if other is not None:
+                raise UserError(
+                    f"{where}: with slurm = true every node needs the same {key}: node {other.name} has "
+                    f"{getattr(other, key)!r}, the master {master.name} {getattr(master, key)!r}"
+                )
+        slurm = SlurmSpec(login=ordered[0], managed=True)
     return Cluster(
         name=name,
         backend=backend,
@@ -144,6 +159,8 @@ def _build_cluster(name: str, backend: str, spec: Mapping[str, Any], where: str,
         env={k: str(v) for k, v in env.items()},
         shared_fs=shared_fs,
         image=image,
+        launcher="slurm" if slurm else "ssh",
+        slurm=slurm,
     )
 
 

@@ -52,7 +52,14 @@ KEEP_NAME = "checkpoints"
 # Which key `up` put on an OS Login profile (whose, and its fingerprint), for `down` to take off.
 OS_LOGIN_FILE = "os_login.json"
 # What ends with the cluster under its config directory (the record goes through remove_record).
-CLUSTER_FILES = ("id_ed25519", "id_ed25519.pub", "known_hosts", "terraform.tfvars.json", OS_LOGIN_FILE)
+CLUSTER_FILES = (
+    "id_ed25519",
+    "id_ed25519.pub",
+    "known_hosts",
+    "terraform.tfvars.json",
+    OS_LOGIN_FILE,
+    "munge.key",
+)
 # A well-formed key that nobody holds: the derivation needs some key, and never deploys it.
 _PLACEHOLDER_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOCq6lYDCi2DbDjX7yU6Ac7nDnmrMYeBv3I2cLxGdGJk dtrain-plan"
 # A zone letter no region has, for the derivation before the zone is known (see derive).

@@ -1,0 +1,184 @@
+"""Queued jobs on a cluster with Slurm: `dtrain submit <workload>`, `dtrain jobs`, `dtrain cancel JOB`,
+`dtrain logs JOB [-f]` (dispatched here from cli/runs_cmd.py), and `dtrain slurm setup`. The work is
+dtrain.control.slurm."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+
+from dtrain.cli import console
+from dtrain.cli import options as o
+
+submit_app = typer.Typer(
+    help="Queue a workload as a Slurm job on a cluster: prints the job id and returns at once.", no_args_is_help=True
+)
+slurm_app = typer.Typer(help="Slurm on dtrain's own clusters.", no_args_is_help=True)
+
+Job = Annotated[str, typer.Argument(help="the Slurm job id `dtrain submit` printed")]
+SUBMIT_ONLY = {
+    "nodes": (
+        Annotated[
+            int | None,
+            typer.Option("--nodes", min=1, help="nodes for the job (default: all of dtrain's own cluster; 1 on a "
+                         "Slurm cluster, or its table's nodes)", show_default=False),
+        ],
+        None,
+    ),
+    "name": (
+        Annotated[
+            str | None, typer.Option("--name", help="the job's name (default: the workload)", show_default=False)
+        ],
+        None,
+    ),
+}  # fmt: skip
+
+
+def _cluster(name: str | None) -> Any:
+    from dtrain.control.settings import load_cluster
+
+    return load_cluster(console.state.config_path, name)
+
+
+def _submit(workload: str, flags: dict[str, Any], given: dict[str, Any]) -> None:
+    from dtrain.control.events import Events
+    from dtrain.control.launch import LaunchRequest
+    from dtrain.control.slurm.jobs import submit
+
+    request = LaunchRequest(
+        workload=workload,
+        flags=flags,
+        config_path=console.state.config_path,
+        image=given["image"] or "",
+        accept_new_host_keys=given["accept_new_host_keys"],
+        oversubscribe=given["oversubscribe"],
+        debug=console.state.debug,
+    )
+    # stdout carries the job id alone (for scripts): what submit reports goes to stderr.
+    events = Events(lambda ev: console.err.print(ev.message, markup=False, highlight=False) if ev.message else None)
+    with console.operation() as (_terminal, handle):
+        r = submit(request, nodes=given["nodes"] or 0, name=given["name"] or "", events=events, handle=handle)
+    print(r.job_id, flush=True)
+    verb = "resumes" if r.resuming else "runs"
+    console.err.print(
+        f"job {r.job_id} ({r.name}) queued on cluster {r.cluster}, partition {r.partition}, {r.nodes} node(s): it "
+        f"{verb} {r.workload} run {r.run_id} ({r.url}). Next: dtrain jobs --cluster {r.cluster}; "
+        f"dtrain logs {r.job_id} -f --cluster {r.cluster}",
+        highlight=False,
+        markup=False,
+    )
+
+
+def _register_submit() -> None:
+    from dtrain.cli.train_cmd import workload_command
+    from dtrain.control.settings import WORKLOADS
+
+    for name in WORKLOADS:
+        submit_app.command(name)(workload_command(name, _submit, SUBMIT_ONLY))
+
+
+_register_submit()
+
+
+def jobs(
+    cluster: o.Cluster = None,
+    as_json: o.Json = False,
+    all_jobs: Annotated[bool, typer.Option("--all", help="every job dtrain submitted there, ended ones too")] = False,
+    accept_new_host_keys: o.AcceptNewHostKeys = False,
+) -> None:
+    """The jobs dtrain submitted to a Slurm cluster: queued and running ones, and those of the last day."""
+    from dtrain.control.slurm.jobs import list_jobs
+
+    c = _cluster(cluster)
+    rows = [r.as_dict() for r in list_jobs(c, all_jobs=all_jobs, accept_new_host_keys=accept_new_host_keys)]
+    if as_json:
+        print(json.dumps(rows))
+        return
+    if not rows:
+        console.out.print(f"no jobs on cluster {c.name}" + ("" if all_jobs else " (--all: ended ones too)"))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"jobs on cluster {c.name}", title_justify="left")
+    for col in ("job", "name", "workload", "state", "nodes", "submitted", "started", "duration", "run", "restarts"):
+        table.add_column(col, no_wrap=col in ("job", "state", "run"))
+    table.add_column("last metric")
+    for r in rows:
+        state = r["state"] + (f" ({r['reason']})" if r["reason"] and r["state"] == "PENDING" else "")
+        state += f" (exit {r['exit_code']})" if r["exit_code"] not in (None, 0) else ""
+        table.add_row(
+            r["job_id"],
+            r["name"],
+            r["workload"],
+            f"[{_colour(r['state'])}]{console.escape(state)}[/]",
+            str(r["nodes"]),
+            r["submitted"] or "-",
+            r["started"] or "-",
+            r["duration"] or "-",
+            r["run_id"],
+            str(r["restarts"]),
+            _metric(r["last_metric"]),
+        )
+    console.out.print(table)
+
+
+def _colour(state: str) -> str:
+    return {"RUNNING": "cyan", "PENDING": "yellow", "COMPLETED": "green", "CANCELLED": "yellow"}.get(state, "red")
+
+
+def _metric(m: dict[str, Any]) -> str:
+    if not m:
+        return "-"
+    for key in ("eval_accuracy", "eval_loss", "loss"):
+        if isinstance(m.get(key), (int, float)):
+            return f"{key} {m[key]:.4g} (step {m.get('step', '?')})"
+    return f"step {m.get('step', '?')}"
+
+
+def cancel(job: Job, cluster: o.Cluster = None, accept_new_host_keys: o.AcceptNewHostKeys = False) -> None:
+    """Cancel a job: its ranks get SIGTERM, save a checkpoint and stop; the run and its checkpoints are kept."""
+    from dtrain.control.slurm.jobs import cancel as cancel_job
+
+    c = _cluster(cluster)
+    with console.operation() as (events, handle):
+        r = cancel_job(c, job, events=events, handle=handle, accept_new_host_keys=accept_new_host_keys)
+    state = r.state.state if r.state else "UNKNOWN"
+    kept = f"its last checkpoint {r.checkpoint} is kept" if r.checkpoint else "it had no checkpoint yet"
+    console.out.print(f"job {r.job_id} {state} (was {r.was}); run {r.run_id}: {kept} ({r.url})", highlight=False)
+
+
+def logs(job: str, cluster: str | None, follow: bool) -> None:
+    """A job's logs: every node's lines, prefixed with its name; with `follow`, live until the job ends."""
+    from dtrain.control.slurm import jobs as control
+
+    c = _cluster(cluster)
+    if not follow:
+        for line in control.job_logs(c, job):
+            console.out.print(f"[{line.node}] {line.text}", markup=False, highlight=False, soft_wrap=True)
+        return
+    with console.operation() as (events, handle):
+        r = control.follow_logs(c, job, events=events, handle=handle)
+    if r.state is not None and not r.stopped:
+        code = f" (exit {r.state.exit_code})" if r.state.exit_code is not None else ""
+        console.err.print(f"job {job} {r.state.state}{code}", highlight=False)
+
+
+@slurm_app.command("setup")
+def setup(cluster: o.Cluster = None, accept_new_host_keys: o.AcceptNewHostKeys = False) -> None:
+    """Install and start Slurm (munge, slurmctld on the master, slurmd on every node) on a hosts cluster with
+    slurm = true, or again on a gcp cluster (`dtrain up` does it); run it again after changing the nodes."""
+    from dtrain.control.slurm.setup import setup as control_setup
+
+    c = _cluster(cluster)
+    with console.operation() as (events, handle):
+        r = control_setup(c, events=events, handle=handle, accept_new_host_keys=accept_new_host_keys)
+    console.out.print(
+        f"[green]Slurm is up on cluster {r.cluster}[/]: {len(r.nodes)} node(s) in {r.seconds:.1f} s. Next: "
+        f"dtrain submit mnist --cluster {r.cluster}",
+        highlight=False,
+    )
+
+
+__all__ = ["submit_app", "slurm_app", "jobs", "cancel", "logs", "setup"]

@@ -1,0 +1,412 @@
+"""What a dtrain job runs inside a Slurm allocation. dtrain.control.slurm writes the job's directory
+(`<workdir>/runs/<run id>/`: this code under code/, job.json, the batch script) and submits the batch
+script; the script runs this module. Standard library only, so that it also runs where the training
+happens in a container.
+
+    python -m dtrain.common.slurmstep batch job.json     the batch step, on the allocation's first node
+    python -m dtrain.common.slurmstep node job.json new|resume   one per node, started by the batch step's srun
+    python -m dtrain.common.slurmstep follow DIR [--once]    the job's log lines, as they are written
+    python -m dtrain.common.slurmstep exists URL             exit 0 if the run at URL has started (config.json)
+
+`batch` decides once whether the run starts or resumes (its config.json exists: a requeued job continues
+the same run from its last complete checkpoint), runs `srun` with one `node` task per node, copies their
+output to the job's output file, and exits with the job's code (dtrain.common.errors.ExitCode). A job
+whose ranks were preempted (exit 3) without Slurm signalling the job itself (a node's own shutdown, say)
+requeues itself with `scontrol requeue`; a failure (exit 1) or a usage error (2) does not. A job that
+Slurm signalled (scancel, its time limit) is not requeued: Slurm ends it as CANCELLED or TIMEOUT.
+
+`node` fills in what only the allocation knows (this node's and the first node's addresses, the number
+of nodes, the processes for this node's GPUs or cores) in the job spec dtrain wrote, and runs it through
+the node agent (dtrain.common.nodeagent: torchrun with a c10d rendezvous on the first node, the
+interface that holds this node's address). Slurm signals every process of the step itself
+(proctrack/linuxproc or cgroup); the agent ignores those signals so that it outlives its job and reports
+the job's exit code. Each output line goes to `logs/<node>.log` in the job directory, stamped, and to
+the step's stdout (the job's output file). The last line is a result for the batch step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+RESULT_PREFIX = "\x02dtrain-step "  # a node's result line, read by the batch step
+HEARTBEAT_PREFIX = "\x02dtrain-alive "  # a node's task is alive: every HEARTBEAT_S
+HEARTBEAT_S = 2.0
+LOST_AFTER_S = 10.0  # a node's task not heard of this long is lost (its node died): the job is requeued
+FIRST_HEARTBEAT_S = 30.0  # srun starting a task on every node, and its Python starting
+PROGRESS_PREFIX = "\x02dtrain-progress "  # as dtrain.common.metrics writes them
+CONTROL_PREFIX = "\x02dtrain-agent "  # as dtrain.common.nodeagent writes them
+# Placeholders in the job spec that only the allocation can fill in.
+TOKENS = ("__dtrain_master_addr__", "__dtrain_addr__", "__dtrain_is_host__", "__dtrain_nproc__",
+          "__dtrain_threads__", "__dtrain_node__", "__dtrain_nnodes__")  # fmt: skip
+ARGS_TOKEN = "__dtrain_workload_args__"  # replaced by the workload's arguments: a new run's, or a resume's
+STEP_WAIT_S = 30  # srun --wait: after the first node's task ends, the others get this long, then are killed
+FOLLOW_POLL_S = 0.2
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+SIGTERM_EXIT = 128 + signal.SIGTERM  # torchrun's own exit after it was sent SIGTERM
+# The node agent, outliving Slurm's signals to the step (they reach torchrun and the workers directly) so
+# that it reports how the job ended and removes what the job leaves. Handlers, not SIG_IGN: the programs
+# it starts get the default dispositions back at exec (an ignored SIGTERM would be inherited by torchrun).
+AGENT = (
+    "import runpy, signal, sys\n"
+    "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):\n"
+    "    signal.signal(s, lambda *_: None)\n"
+    "sys.argv = ['dtrain.common.nodeagent', 'run']\n"
+    "runpy.run_module('dtrain.common.nodeagent', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def stamp() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def read_job(path: str) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# batch
+
+
+def job_code(codes: dict[str, int]) -> int:
+    """The job's exit code from its nodes' codes: a failure on any node wins (1; also any code dtrain does
+    not define), then a usage error (2), an interrupt (130), a preemption (3); 0 only when all finished."""
+    values = set(codes.values())
+    if values - {EXIT_OK, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED}:
+        return EXIT_FAILURE
+    for code in (EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PREEMPTED):
+        if code in values:
+            return code
+    return EXIT_OK
+
+
+def run_exists(job: dict[str, Any]) -> bool:
+    """Whether the job's run has started before (its config.json exists): then this start resumes it."""
+    if job.get("image"):
+        return _run_exists_in_image(job)
+    return exists(job["run_url"])
+
+
+def exists(url: str) -> bool:
+    from dtrain.common.storage import open_store
+
+    return open_store(url).exists("config.json")
+
+
+def _run_exists_in_image(job: dict[str, Any]) -> bool:
+    """Container mode: the node has no storage libraries; ask the image (it has this module)."""
+    from dtrain.common.nodeagent import container_argv
+
+    spec = next(iter(job["specs"].values()))
+    c = dict(spec["container"], name=f"dtrain-check-{os.environ.get('SLURM_JOB_ID', os.getpid())}")
+    c["args"] = ["-m", "dtrain.common.slurmstep", "exists", job["run_url"]]
+    workdir = Path.cwd().parent.parent  # the job runs in <workdir>/runs/<run id>
+    argv = container_argv(c, sorted(spec.get("env", {})), workdir, os.getuid(), os.getgid())
+    at = argv.index(c["image"])
+    argv[at:at] = ["--entrypoint", "python"]
+    env = {**os.environ, **spec.get("env", {})}
+    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
+    if p.returncode not in (0, 1):
+        raise RuntimeError(f"cannot check the run in {c['image']}: {p.stderr.strip()[-300:]}")
+    return p.returncode == 0
+
+
+def step_command(job: dict[str, Any], mode: str) -> list[str]:
+    """srun's command line: one task per node of the allocation, in the job's directory (the batch step's
+    own), with the batch step's environment (PYTHONPATH: the job's code)."""
+    return ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", f"--wait={STEP_WAIT_S}",
+            job["python"], "-m", "dtrain.common.slurmstep", "node", "job.json", mode]  # fmt: skip
+
+
+def allocation_nodes() -> list[str]:
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", os.environ.get("SLURM_JOB_NODELIST", "")],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    return out.split()
+
+
+def batch(jobfile: str) -> int:
+    job = read_job(jobfile)
+    signalled = threading.Event()
+
+    def on_signal(_signum: int, _frame: Any) -> None:
+        signalled.set()  # Slurm signals the steps itself; keep copying their output until they end
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, on_signal)
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    try:
+        # A job's first start begins its run (unless it was submitted to continue one); a later start
+        # resumes it if the run got as far as writing its config.
+        resume = bool(job.get("resume")) or (restarts > 0 and run_exists(job))
+    except Exception as e:  # noqa: BLE001 - the run cannot be read: say so in the job's output
+        print(f"{stamp()} dtrain: error: cannot read the run {job['run_url']}: {e}", flush=True)
+        return EXIT_FAILURE
+    nodes = allocation_nodes()
+    verb = "resuming" if resume else "starting"
+    print(f"{stamp()} dtrain: job {os.environ.get('SLURM_JOB_ID', '?')} (restart {restarts}) on "
+          f"{','.join(nodes)}: {verb} {job['workload']} run {job['run_id']}", flush=True)  # fmt: skip
+    proc = subprocess.Popen(
+        step_command(job, "resume" if resume else "new"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for raw in proc.stdout:  # type: ignore[union-attr]
+            lines.put(raw.decode(errors="replace").rstrip("\r\n"))
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    codes: dict[str, int] = {}
+    heard = dict.fromkeys(nodes, time.monotonic() + FIRST_HEARTBEAT_S - LOST_AFTER_S)
+    lost: list[str] = []
+    while (line := _next(lines)) is not None:
+        if line.startswith((HEARTBEAT_PREFIX, RESULT_PREFIX)):
+            with contextlib.suppress(ValueError, KeyError):
+                r = json.loads(line.split(" ", 1)[1])
+                heard[r["node"]] = time.monotonic()
+                if "exit" in r:
+                    codes[r["node"]] = int(r["exit"])
+        elif line:
+            print(line, flush=True)
+        silent = [n for n in nodes if n not in codes and time.monotonic() - heard.get(n, 0) > LOST_AFTER_S]
+        if silent and not lost and not signalled.is_set():
+            # The node died (or its task did, outright): its peers fail at once, long before Slurm would mark
+            # it down and requeue the job itself. Requeue now; the job resumes the run from its checkpoint.
+            lost = silent
+            print(f"{stamp()} dtrain: lost node(s) {', '.join(lost)} (no word for {LOST_AFTER_S:.0f} s): "
+                  "requeueing the job; it resumes from its last complete checkpoint", flush=True)  # fmt: skip
+            _requeue()
+            proc.kill()  # srun would wait for the lost node's task until Slurm's KillWait runs out
+            break
+    proc.wait()
+    code = job_code(codes) if not lost and len(codes) >= len(nodes) else EXIT_FAILURE
+    print(f"{stamp()} dtrain: job ended with exit code {code} (nodes: {codes})", flush=True)
+    if code == EXIT_PREEMPTED and not lost and not signalled.is_set():
+        # The ranks saved a checkpoint after a SIGTERM that was not Slurm's (a node's own shutdown, say).
+        print(f"{stamp()} dtrain: preempted: requeueing the job; it resumes from its checkpoint", flush=True)
+        _requeue()
+    return code
+
+
+def _next(lines: queue.Queue[str | None]) -> str | None:
+    """The next output line, or "" after a second without one (the caller then checks on the nodes)."""
+    try:
+        return lines.get(timeout=1.0)
+    except queue.Empty:
+        return ""
+
+
+def _requeue() -> None:
+    subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# node
+
+
+def node_address(name: str) -> str:
+    """A node's address as Slurm reaches it (NodeAddr), for the rendezvous and --local-addr."""
+    out = subprocess.run(["scontrol", "-o", "show", "node", name], capture_output=True, text=True, check=False).stdout
+    for field in out.split():
+        if field.startswith("NodeAddr="):
+            return field.split("=", 1)[1]
+    return name
+
+
+def processes(job: dict[str, Any], cpus: int, gpus: int) -> int:
+    """Processes on this node: as asked (checked against its GPUs or cores), else one per GPU, else 2 on
+    2+ cores (as dtrain.control.local.auto_nproc)."""
+    n = int(job.get("nproc") or 0)
+    if not n:
+        return gpus or (2 if cpus >= 2 else 1)
+    limit = gpus or cpus
+    if n > limit and not job.get("oversubscribe"):
+        unit = "GPU(s)" if gpus else "CPU core(s)"
+        raise ValueError(f"--nproc {n} is more processes than this node's {limit} {unit}: use --nproc {limit} or fewer")
+    return n
+
+
+def fill(spec: Any, values: dict[str, str], args: list[str]) -> Any:
+    """The spec with every token replaced, and ARGS_TOKEN spliced out into `args`."""
+    if isinstance(spec, dict):
+        return {k: fill(v, values, args) for k, v in spec.items()}
+    if isinstance(spec, list):
+        out: list[Any] = []
+        for v in spec:
+            out.extend(args if v == ARGS_TOKEN else [fill(v, values, args)])
+        return out
+    if isinstance(spec, str):
+        for token, value in values.items():
+            spec = spec.replace(token, value)
+    return spec
+
+
+def node(jobfile: str, mode: str) -> int:
+    from dtrain.common.nodeagent import smi_gpus
+
+    job = read_job(jobfile)
+    name = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+    container = bool(job.get("image"))
+    logs = Path("logs")
+    logs.mkdir(exist_ok=True)
+    log = (logs / f"{name}.log").open("a", encoding="utf-8")
+    interactive = bool(job.get("interactive"))
+
+    def emit(line: str) -> None:
+        if line.startswith(PROGRESS_PREFIX) and not interactive:
+            return  # a queued job's progress bar has no terminal to go to
+        log.write(f"{stamp()} {line}\n")
+        log.flush()
+        if not line.startswith(PROGRESS_PREFIX):
+            say(f"[{name}] {line}")
+
+    got: list[int] = []
+    agent: subprocess.Popen | None = None
+    alive = threading.Event()
+    threading.Thread(target=_heartbeat, args=(name, alive), daemon=True).start()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        got.append(signum)
+        # Slurm signals every process of the step; a container's are not among them: tell the agent.
+        if container and agent is not None and agent.stdin is not None:
+            word = "INT" if signum == signal.SIGINT else "TERM"
+            with contextlib.suppress(OSError, ValueError):
+                agent.stdin.write(f"{word}\n".encode())
+                agent.stdin.flush()
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, on_signal)
+    code = EXIT_FAILURE
+    try:
+        master = allocation_nodes()[0]
+        cpus = int(os.environ.get("SLURM_CPUS_ON_NODE") or os.cpu_count() or 1)
+        gpus = len(smi_gpus())
+        try:
+            nproc = processes(job, cpus, gpus)
+        except ValueError as e:
+            emit(f"error: node {name}: {e}")
+            code = EXIT_USAGE
+            return code
+        values = {
+            "__dtrain_master_addr__": node_address(master),
+            "__dtrain_addr__": node_address(name),
+            "__dtrain_is_host__": "1" if name == master else "0",
+            "__dtrain_nproc__": str(nproc),
+            "__dtrain_threads__": str(max(1, cpus // nproc)),
+            "__dtrain_node__": name,
+            "__dtrain_nnodes__": os.environ.get("SLURM_JOB_NUM_NODES", "1"),
+        }
+        template = job["specs"].get(name) or job["specs"]["*"]
+        spec = fill(template, values, job["argv_resume" if mode == "resume" else "argv_new"])
+        emit(f"dtrain: {mode} on {name} ({values['__dtrain_addr__']}): {nproc} process(es), rendezvous on {master}")
+        agent = subprocess.Popen(
+            [sys.executable, "-c", AGENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        agent.stdin.write((json.dumps(spec) + "\n").encode())  # type: ignore[union-attr]
+        agent.stdin.flush()  # type: ignore[union-attr]
+        for raw in agent.stdout:  # type: ignore[union-attr]
+            line = raw.decode(errors="replace").rstrip("\r\n")
+            if not line.startswith(CONTROL_PREFIX):
+                emit(line)
+        code = agent.wait()
+        if code == SIGTERM_EXIT and signal.SIGTERM in got:
+            code = EXIT_PREEMPTED  # torchrun was sent SIGTERM with its workers, which checkpointed and stopped
+        return code
+    finally:
+        alive.set()
+        log.close()
+        if not container:
+            _keep_log(job, logs / f"{name}.log")
+        say(RESULT_PREFIX + json.dumps({"node": name, "exit": code}))
+
+
+_say_lock = threading.Lock()
+
+
+def say(line: str) -> None:
+    """One whole line to stdout (srun carries it to the batch step), from any thread."""
+    with _say_lock:
+        print(line, flush=True)
+
+
+def _heartbeat(name: str, done: threading.Event) -> None:
+    while not done.is_set():
+        say(HEARTBEAT_PREFIX + json.dumps({"node": name}))
+        done.wait(HEARTBEAT_S)
+
+
+def _keep_log(job: dict[str, Any], path: Path) -> None:
+    """A copy of this node's log under the run (logs/<node>.log), so that `dtrain logs RUN` has it."""
+    with contextlib.suppress(Exception):
+        from dtrain.common.storage import open_store
+
+        run = open_store(job["run_url"])
+        if run.exists("config.json") and Path(run.url).resolve() != Path.cwd().resolve():
+            run.write_bytes(f"logs/{path.name}", path.read_bytes())
+
+
+# ---------------------------------------------------------------------------------------------
+# follow
+
+
+def follow(directory: str, once: bool) -> int:
+    """Print `<node> <line>` for every line of DIR/*.log, then, unless `once`, every line appended to them
+    (new files included) until stdin closes."""
+    closed = threading.Event()
+    if not once:
+
+        def watch() -> None:
+            sys.stdin.read()
+            closed.set()
+
+        threading.Thread(target=watch, daemon=True).start()
+    offsets: dict[Path, int] = {}
+    partial: dict[Path, bytes] = {}
+    d = Path(directory)
+    while True:
+        for path in sorted(d.glob("*.log")) if d.is_dir() else []:
+            with contextlib.suppress(OSError), path.open("rb") as f:
+                f.seek(offsets.get(path, 0))
+                data = partial.pop(path, b"") + f.read()
+                offsets[path] = f.tell()
+            lines = data.split(b"\n")
+            if lines[-1]:
+                partial[path] = lines[-1]  # a line still being written
+            out = "".join(f"{path.stem} {ln.decode(errors='replace')}\n" for ln in lines[:-1])
+            if out:
+                sys.stdout.write(out)
+                sys.stdout.flush()
+        if once or closed.wait(FOLLOW_POLL_S):
+            return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["batch"] and len(args) == 2:
+        return batch(args[1])
+    if args[:1] == ["node"] and len(args) == 3 and args[2] in ("new", "resume"):
+        return node(args[1], args[2])
+    if args[:1] == ["follow"] and len(args) in (2, 3):
+        return follow(args[1], once=args[2:] == ["--once"])
+    if args[:1] == ["exists"] and len(args) == 2:
+        return 0 if exists(args[1]) else 1
+    print(__doc__.split("\n\n")[1], file=sys.stderr)
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""Slurm: queued jobs on dtrain's own clusters (gcp, and hosts with `slurm = true`) and on Slurm clusters
+users already have (backend = "slurm").
+
+    spec.py      what a Cluster says about its Slurm (SlurmSpec): the login node, partition, account, ...
+    commands.py  Slurm's commands on the login node over SSH (sbatch, scontrol, sacct, scancel, sinfo),
+                 their output parsed and their states mapped
+    script.py    a job's files: the batch script and job.json (dtrain.common.slurmstep runs them)
+    jobs.py      submit, list, cancel, logs (and follow), and `dtrain train` through Slurm
+    setup.py     Slurm and munge configured and started on dtrain's own clusters; doctor's Slurm checks
+
+dtrain writes no scheduler: Slurm queues, allocates, requeues and accounts; dtrain writes the batch
+script, keeps a small job table (job id -> run) on the login node, and reads Slurm's own records.
+"""

@@ -1,0 +1,157 @@
+"""A Slurm job's files, written by dtrain into the job's directory `<workdir>/runs/<run id>/` (on the login
+node, and on every node of a cluster whose nodes have disks of their own):
+
+    code/       dtrain's workload code (as the SSH launcher syncs it), with dtrain.common.slurmstep
+    job.json    what every node runs: the node agent's job spec for each node with placeholders that only
+                the allocation can fill in (addresses, the first node, processes per node), and the
+                workload's arguments for a new run and for resuming it. Holds the job's environment
+                (HF_TOKEN if set): written 0600, like an SSH key
+    slurm.sh    the batch script: #SBATCH options, then dtrain.common.slurmstep's batch step
+
+torchrun's command line is the SSH launcher's (dtrain.control.remote.job_spec), so a job in Slurm runs
+exactly what `dtrain train --cluster` runs on a cluster without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import shlex
+import tarfile
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from dtrain.common.slurmstep import ARGS_TOKEN
+from dtrain.control.cluster import Cluster, Node
+
+MASTER = Node(name="__dtrain_master__", address="__dtrain_master_addr__")  # the allocation's first node
+
+
+@dataclasses.dataclass(frozen=True)
+class JobFiles:
+    script: str
+    job: dict[str, Any]
+
+    def job_json(self) -> bytes:
+        return (json.dumps(self.job, indent=1, sort_keys=True) + "\n").encode()
+
+
+def node_template(cluster: Cluster, node: Node, **spec_args: Any) -> dict[str, Any]:
+    """The node agent's job spec (dtrain.control.remote.job_spec) for any node of an allocation: what only
+    the allocation knows is left as dtrain.common.slurmstep's placeholders."""
+    from dtrain.control.remote import job_spec
+
+    stand_in = dataclasses.replace(cluster, nodes=(MASTER,))
+    some_node = dataclasses.replace(node, name="__dtrain_node__", address="__dtrain_addr__")
+    spec = job_spec(
+        stand_in,
+        some_node,
+        nproc="__dtrain_nproc__",  # type: ignore[arg-type]  # placeholders, filled in on the node
+        threads="__dtrain_threads__",  # type: ignore[arg-type]
+        max_restarts=0,  # Slurm requeues the whole job instead (see dtrain.common.slurmstep)
+        argv=[ARGS_TOKEN],
+        **spec_args,
+    )
+    torchrun = spec["container"]["args"] if spec.get("container") else spec["argv"]
+    _set(torchrun, "--nnodes", "__dtrain_nnodes__")
+    _set(torchrun, "--rdzv-conf", _option(torchrun, "--rdzv-conf").replace("is_host=0", "is_host=__dtrain_is_host__"))
+    return spec
+
+
+def _option(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def _set(argv: list[str], name: str, value: str) -> None:
+    argv[argv.index(name) + 1] = value
+
+
+def job_files(
+    cluster: Cluster,
+    *,
+    workload: str,
+    run_id: str,
+    run_url: str,
+    job_dir: str,
+    name: str,
+    nodes: int,
+    argv_new: list[str] | None,
+    argv_resume: list[str],
+    nproc: int,
+    oversubscribe: bool,
+    interactive: bool,
+    gpus_per_node: int,
+    paths: Mapping[str, str],
+    debug: bool,
+) -> JobFiles:
+    """The batch script and job.json of one job. `argv_new` None: the job continues an existing run."""
+    assert cluster.slurm is not None
+    s = cluster.slurm
+    module = f"dtrain.{workload}.train"
+    common = {"module": module, "run_id": run_id, "gpus": gpus_per_node, "paths": dict(paths), "debug": debug}
+    if s.managed:  # each node as the inventory (or the cluster record) describes it
+        specs = {n.name: node_template(cluster, n, **common) for n in cluster.nodes}
+    else:  # nodes Slurm picks: the login node's settings (shared Python, workdir) hold for all
+        specs = {"*": node_template(cluster, s.login, **common)}
+    job = {
+        "version": 1,
+        "workload": workload,
+        "run_id": run_id,
+        "run_url": run_url,
+        "name": name,
+        "python": s.login.python,
+        "dir": job_dir,
+        "image": cluster.image,
+        "resume": argv_new is None,
+        "argv_new": argv_new or argv_resume,
+        "argv_resume": argv_resume,
+        "specs": specs,
+        "nproc": nproc,
+        "oversubscribe": oversubscribe,
+        "interactive": interactive,
+    }
+    return JobFiles(script=batch_script(cluster, job, nodes=nodes, gpus_per_node=gpus_per_node), job=job)
+
+
+def batch_script(cluster: Cluster, job: dict[str, Any], *, nodes: int, gpus_per_node: int) -> str:
+    """The sbatch script: whole nodes, one task each, requeued after a node failure; the job's output
+    appended to slurm-<job id>.out in its directory; then the batch step (dtrain.common.slurmstep)."""
+    assert cluster.slurm is not None
+    s = cluster.slurm
+    options = [
+        f"--job-name={job['name']}",
+        f"--nodes={nodes}",
+        "--ntasks-per-node=1",
+        "--exclusive",
+        "--requeue",
+        "--open-mode=append",
+        f"--chdir={job['dir']}",
+        f"--output={job['dir']}/slurm-%j.out",
+    ]
+    options += [
+        f"--{key}={getattr(s, key)}" for key in ("partition", "account", "time", "constraint") if getattr(s, key)
+    ]
+    if gpus_per_node:
+        options.append(f"--gres=gpu:{gpus_per_node}")
+    lines = [
+        "#!/bin/bash",
+        *(f"#SBATCH {o}" for o in options),
+        f"# dtrain {job['workload']} run {job['run_id']} (dtrain submit; docs/slurm.md). The batch step decides",
+        "# whether the run starts or resumes, then runs one node task per node through srun.",
+        'export PYTHONPATH="$PWD/code"',
+        f"exec {shlex.quote(job['python'])} -m dtrain.common.slurmstep batch job.json",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def tar_of(files: Mapping[str, tuple[bytes, int]]) -> bytes:
+    """An uncompressed tar of name -> (bytes, mode), as files are sent to the nodes over SSH's stdin."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, (data, mode) in files.items():
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mtime, ti.mode = len(data), int(time.time()), mode
+            tar.addfile(ti, io.BytesIO(data))
+    return buf.getvalue()

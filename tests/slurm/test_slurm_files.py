@@ -1,0 +1,212 @@
+"""What dtrain writes for Slurm and how it reads Slurm, without a cluster: the batch script, the job spec's
+placeholders as a node fills them in, slurm.conf from probed nodes, the cluster tables, and Slurm's own
+output (lines captured from Debian 12's slurm-wlm 22.05 on the test bed) parsed into job states."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtrain.common import slurmstep
+from dtrain.common.errors import UserError
+from dtrain.control.backends import get
+from dtrain.control.cluster import Cluster, Node
+from dtrain.control.settings import ClusterConfig
+from dtrain.control.slurm import commands, script, setup
+from dtrain.control.slurm.spec import SlurmSpec
+
+SCONTROL_JOB = (
+    "JobId=1 JobName=j1 UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 Account=(null) "
+    "QOS=(null) JobState=COMPLETED Reason=None Dependency=(null) Requeue=1 Restarts=1 BatchFlag=1 Reboot=0 "
+    "ExitCode=0:0 RunTime=00:00:30 TimeLimit=UNLIMITED TimeMin=N/A SubmitTime=2026-11-24T00:40:50 "
+    "EligibleTime=2026-11-24T00:41:01 AccrueTime=2026-11-24T00:41:01 StartTime=2026-11-24T00:42:16 "
+    "EndTime=2026-11-24T00:42:46 Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=2026-11-24T00:42:16 "
+    "Scheduler=Main Partition=dtrain AllocNode:Sid=h0:14485 ReqNodeList=(null) ExcNodeList=(null) NodeList=h[0-1] "
+    "BatchHost=h0 NumNodes=2 NumCPUs=4 NumTasks=2 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=4,node=2,billing=4 "
+    "Socks/Node=* NtasksPerN:B:S:C=1:0:*:* CoreSpec=* Command=/tmp/shared/job.sh WorkDir=/tmp/shared "
+    "StdErr=/tmp/shared/out-1.txt StdIn=/dev/null StdOut=/tmp/shared/out-1.txt Power="
+)
+PENDING_JOB = (
+    "JobId=3 JobName=j3 JobState=PENDING Reason=Nodes_required_for_job_are_DOWN,_DRAINED_or_reserved Requeue=1 "
+    "Restarts=0 ExitCode=0:0 RunTime=00:00:00 SubmitTime=2026-11-24T00:40:12 StartTime=Unknown EndTime=Unknown "
+    "NodeList=(null) NumNodes=2-2"
+)
+# `sacct -c -P -n -o` COMPLETION_FIELDS: a job that ran, lost a node and ran again; one that failed.
+COMPLETION = """1|j1|NODE_FAIL|0:0|2026-11-24T00:40:13|2026-11-24T00:40:50|2|h[0-1]
+1|j1|COMPLETED|0:0|2026-11-24T00:42:16|2026-11-24T00:42:46|2|h[0-1]
+4|mnist|FAILED|2:0|2026-11-24T01:05:13|2026-11-24T01:05:30|2|h[0-1]
+"""
+SINFO = "dtrain*|h0|2|(null)|idle\ndtrain*|h1|2|gpu:2|down*\ngpu|g0|64|gpu:a100:4(S:0-1)|mix\n"
+
+
+def test_scontrol_job_line() -> None:
+    job = commands.job_from_scontrol(commands.parse_kv(SCONTROL_JOB))
+    assert (job.job_id, job.name, job.state, job.restarts, job.exit_code) == ("1", "j1", "COMPLETED", 1, 0)
+    assert (job.started, job.ended, job.elapsed, job.nodes, job.nodelist) == (
+        "2026-11-24T00:42:16", "2026-11-24T00:42:46", "00:00:30", 2, "h[0-1]"
+    )  # fmt: skip
+    assert job.settled and not job.active
+    pending = commands.job_from_scontrol(commands.parse_kv(PENDING_JOB))
+    assert pending.active and pending.reason.startswith("Nodes_required") and pending.started == ""
+    assert pending.exit_code is None and pending.nodes == 2
+
+
+def test_sacct_records_count_restarts_and_keep_the_last_ending() -> None:
+    jobs = commands.jobs_from_sacct(COMPLETION, completion=True)
+    assert jobs["1"].state == "COMPLETED" and jobs["1"].restarts == 1 and jobs["1"].elapsed == "00:00:30"
+    assert jobs["4"].state == "FAILED" and jobs["4"].exit_code == 2 and jobs["4"].restarts == 0
+    steps = "7|mnist|CANCELLED by 0|0:15|2026-11-24T01:00:00|2026-11-24T01:00:01|2026-11-24T01:00:09|00:00:08|1|h0\n"
+    dbd = commands.jobs_from_sacct(steps + steps.replace("7|", "7.batch|"), completion=False)
+    assert list(dbd) == ["7"] and dbd["7"].state == "CANCELLED" and dbd["7"].exit_code == 128 + 15
+
+
+def test_sinfo_nodes_and_default_partition() -> None:
+    rows, default = commands.parse_nodes(SINFO)
+    assert default == "dtrain"
+    assert [(n.name, n.partition, n.cpus, n.gpus, n.up) for n in rows] == [
+        ("h0", "dtrain", 2, 0, True), ("h1", "dtrain", 2, 2, False), ("g0", "gpu", 64, 4, True)
+    ]  # fmt: skip
+
+
+def test_a_job_code_from_its_nodes() -> None:
+    assert slurmstep.job_code({"h0": 0, "h1": 0}) == 0
+    assert slurmstep.job_code({"h0": 3, "h1": 3}) == 3  # preempted: requeued
+    assert slurmstep.job_code({"h0": 1, "h1": 3}) == 1  # a failure wins: not requeued
+    assert slurmstep.job_code({"h0": 2, "h1": 0}) == 2
+    assert slurmstep.job_code({"h0": 0, "h1": 137}) == 1  # killed: a failure
+
+
+def cluster(tmp_path: Path, *, managed: bool, image: str = "") -> Cluster:
+    nodes = (Node(name="n0", address="10.0.0.10", master=True, python="/opt/py/bin/python", gpus=1),
+             Node(name="n1", address="10.0.0.11", python="/opt/py/bin/python", gpus=1))  # fmt: skip
+    spec = SlurmSpec(login=nodes[0], managed=managed, partition="gpu", account="proj", time="1:00:00")
+    return Cluster(name="c", backend="hosts", nodes=nodes, launcher="slurm", slurm=spec, image=image,
+                   env={"NCCL_DEBUG": "WARN"}, known_hosts=tmp_path / "kh")  # fmt: skip
+
+
+def files(c: Cluster) -> script.JobFiles:
+    return script.job_files(
+        c, workload="mnist", run_id="mnist-20260101-000000-abcd", run_url="gs://b/runs/mnist-20260101-000000-abcd",
+        job_dir="/home/u/dtrain/runs/mnist-20260101-000000-abcd", name="lr-3e-3", nodes=2,
+        argv_new=["--run-id", "mnist-20260101-000000-abcd"], argv_resume=["--resume", "gs://b/runs/x"],
+        nproc=0, oversubscribe=False, interactive=False, gpus_per_node=1, paths={}, debug=False,
+    )  # fmt: skip
+
+
+def test_batch_script(tmp_path: Path) -> None:
+    text = files(cluster(tmp_path, managed=False)).script
+    options = [ln.removeprefix("#SBATCH ") for ln in text.splitlines() if ln.startswith("#SBATCH ")]
+    assert options == [
+        "--job-name=lr-3e-3", "--nodes=2", "--ntasks-per-node=1", "--exclusive", "--requeue", "--open-mode=append",
+        "--chdir=/home/u/dtrain/runs/mnist-20260101-000000-abcd",
+        "--output=/home/u/dtrain/runs/mnist-20260101-000000-abcd/slurm-%j.out",
+        "--partition=gpu", "--account=proj", "--time=1:00:00", "--gres=gpu:1",
+    ]  # fmt: skip
+    assert text.rstrip().endswith("exec /opt/py/bin/python -m dtrain.common.slurmstep batch job.json")
+
+
+@pytest.mark.parametrize("image", ["", "registry.example/p/dtrain-train:src-0123456789ab"])
+def test_a_node_fills_in_the_allocation(tmp_path: Path, image: str) -> None:
+    """The spec a node runs, once its placeholders are filled in, is the SSH launcher's torchrun line."""
+    c = cluster(tmp_path, managed=True, image=image)
+    job = files(c).job
+    assert set(job["specs"]) == {"n0", "n1"}  # dtrain's own cluster: each node as the inventory says
+    values = {"__dtrain_master_addr__": "10.0.0.10", "__dtrain_addr__": "10.0.0.11", "__dtrain_is_host__": "0",
+              "__dtrain_nproc__": "1", "__dtrain_threads__": "8", "__dtrain_node__": "n1",
+              "__dtrain_nnodes__": "2"}  # fmt: skip
+    spec = slurmstep.fill(job["specs"]["n1"], values, job["argv_resume"])
+    torchrun = spec["container"]["args"] if image else spec["argv"][3:]
+    assert "__dtrain" not in json.dumps(spec)
+    assert torchrun[:14] == [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.10:29400",
+        "--rdzv-id", "mnist-20260101-000000-abcd", "--rdzv-conf", "is_host=0,join_timeout=120", "--local-addr",
+        "10.0.0.11",
+    ]  # fmt: skip
+    assert torchrun[-4:] == ["-m", "dtrain.mnist.train", "--resume", "gs://b/runs/x"]
+    assert spec["env"]["OMP_NUM_THREADS"] == "8" and spec["env"]["NCCL_DEBUG"] == "WARN"
+    assert spec["ifname_for"] == "10.0.0.11"
+    if image:
+        assert spec["container"]["name"] == "dtrain-mnist-20260101-000000-abcd-n1" and spec["container"]["gpus"]
+    else:
+        assert spec["argv"][:3] == ["/opt/py/bin/python", "-m", "dtrain.common.launch"]
+    user = files(cluster(tmp_path, managed=False)).job
+    assert set(user["specs"]) == {"*"}  # a user's cluster: nodes Slurm picks, one spec for all
+
+
+def test_slurm_conf_from_probed_nodes(tmp_path: Path) -> None:
+    c = cluster(tmp_path, managed=True)
+    hw = {"CPUs": "8", "Boards": "1", "SocketsPerBoard": "1", "CoresPerSocket": "4", "ThreadsPerCore": "2",
+          "RealMemory": "32000"}  # fmt: skip
+    facts = [setup.NodeFacts(n, f"host-{n.name}", hw, n.gpus, True, True, True, ()) for n in c.nodes]
+    conf = setup.slurm_conf(c, facts)
+    lines = conf.splitlines()
+    assert "SlurmctldHost=host-n0(10.0.0.10)" in lines
+    assert f"SlurmdTimeout={setup.SLURMD_TIMEOUT_S}" in lines and f"AuthInfo=cred_expire={setup.CRED_EXPIRE_S}" in lines
+    assert (
+        "NodeName=n1 NodeHostname=host-n1 NodeAddr=10.0.0.11 CPUs=8 Boards=1 SocketsPerBoard=1 CoresPerSocket=4 "
+        "ThreadsPerCore=2 RealMemory=32000 Gres=gpu:1 State=UNKNOWN"
+    ) in lines
+    assert "PartitionName=dtrain Nodes=n0,n1 Default=YES MaxTime=INFINITE State=UP OverSubscribe=EXCLUSIVE" in lines
+    assert (
+        setup.gres_conf(facts)
+        == "NodeName=n0 Name=gpu File=/dev/nvidia[0-0]\nNodeName=n1 Name=gpu File=/dev/nvidia[0-0]\n"
+    )
+    hybrid = [dataclasses.replace(f, cgroup2=False) for f in facts]
+    assert setup.cgroup_conf(hybrid) == "CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n"
+
+
+def slurm_table(tmp_path: Path, **spec) -> ClusterConfig:
+    key = tmp_path / "key"
+    key.write_text("k")
+    login = {"host": "login.example.org", "user": "me", "key": str(key)}
+    return ClusterConfig(backend="slurm", name="hpc", spec={"login": login, **spec}, source=str(tmp_path / "t.toml"))
+
+
+def test_slurm_backend_table(tmp_path: Path) -> None:
+    cfg = slurm_table(tmp_path, partition="gpu", gpus_per_node=4, time="2-00:00:00", python="/sw/bin/python")
+    get("slurm").check(cfg)
+    c = get("slurm").cluster(cfg)
+    assert c.launcher == "slurm" and c.backend == "slurm" and [n.name for n in c.nodes] == ["login"]
+    assert c.slurm.login.destination == "me@login.example.org" and c.slurm.login.python == "/sw/bin/python"
+    assert (c.slurm.partition, c.slurm.gpus_per_node, c.slurm.time, c.slurm.managed) == ("gpu", 4, "2-00:00:00", False)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"partiton": "gpu"}, "unknown key 'partiton' (did you mean partition?)"),
+        ({"time": "forever"}, "time 'forever' is not a Slurm time limit"),
+        ({"partition": "gpu queue"}, "partition 'gpu queue' is not a Slurm partition name"),
+        ({"gpus_per_node": -1}, "gpus_per_node must be >= 0, got -1"),
+        ({"constraint": "a100 && ib"}, "constraint 'a100 && ib' is not a node feature expression"),
+    ],
+)
+def test_slurm_backend_refuses_a_bad_table_in_one_line(tmp_path: Path, spec: dict, message: str) -> None:
+    with pytest.raises(UserError) as e:
+        get("slurm").check(slurm_table(tmp_path, **spec))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_hosts_with_slurm_need_one_workdir(tmp_path: Path) -> None:
+    nodes = [{"name": "a", "address": "10.0.0.1"}, {"name": "b", "address": "10.0.0.2", "workdir": "/scratch"}]
+    cfg = ClusterConfig(backend="hosts", name="lab", spec={"slurm": True, "nodes": nodes}, source=str(tmp_path / "t"))
+    with pytest.raises(UserError, match="with slurm = true every node needs the same workdir: node b has '/scratch'"):
+        get("hosts").cluster(cfg)
+    nodes[1].pop("workdir")
+    c = get("hosts").cluster(cfg)
+    assert c.launcher == "slurm" and c.slurm.managed and c.slurm.login.name == "a"
+
+
+def test_the_node_side_needs_only_the_standard_library() -> None:
+    """dtrain.common.slurmstep runs on nodes whose Python may lack everything but the standard library
+    (container mode) until it opens the run's storage."""
+    import subprocess
+
+    code = "import sys, dtrain.common.slurmstep; print(sorted(m for m in sys.modules if m.split('.')[0] in " \
+           "('torch', 'google', 'numpy')))"  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
