@@ -44,6 +44,7 @@ def dashboard(
             settings.run.output,
             nodes,
             cluster_named=bool(settings.launch.cluster),
+            config_path=console.state.config_path,
             host=host,
             port=port,
             events=events,

@@ -1,20 +1,21 @@
-"""The REST API, /api/v1: runs, their metrics, events and logs; the cluster's nodes and GPUs; evals and
-Slurm jobs once those land. Each endpoint is one call into dtrain.control, as the CLI makes it.
+"""The REST API, /api/v1: runs, their metrics, events and logs; the cluster's nodes and GPUs; evals; the
+cluster's Slurm jobs (list, submit, cancel). Each endpoint is one call into dtrain.control, as the CLI
+makes it.
 
-Errors are {"detail": "..."}: 400 for a bad run id or value, 404 for an unknown run (or one without
-node logs), 401 without the token on a non-local bind, 501 for what is not wired yet."""
+Errors are {"detail": "..."}: 400 for a bad run id, value or request (a cluster without Slurm, an unknown
+setting), 404 for an unknown run (or one without node logs), 401 without the token on a non-local bind."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from dtrain.common.errors import UserError
 from dtrain.control import runs
 from dtrain.dashboard import live, table
 from dtrain.dashboard.app import Dashboard
@@ -128,13 +129,7 @@ def gpus(request: Request) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# not wired yet: evals (`dtrain eval`) and the Slurm job queue land on main from other branches
-
-
-def _not_yet(what: str, module: str) -> JSONResponse:
-    landed = importlib.util.find_spec(module) is not None
-    why = f"{module} is on this install but not wired to the dashboard yet" if landed else f"{module} has not landed"
-    return JSONResponse({"detail": f"{what} is not available in the dashboard yet ({why})"}, status_code=501)
+# evals (`dtrain eval`) and the Slurm job queue (`dtrain submit`, `jobs`, `cancel`)
 
 
 class EvalBody(BaseModel):
@@ -166,16 +161,56 @@ def read_eval(
     return _dash(request).evals.read(eval_id, run)
 
 
-@router.get("/jobs", summary="The cluster's Slurm queue (not wired yet: 501)")
-def list_jobs() -> JSONResponse:
-    return _not_yet("the job queue", "dtrain.control.jobs")
+class JobBody(BaseModel):
+    """What `dtrain submit <workload>` takes, as JSON: `settings` are dotted keys as in dtrain.toml
+    ({"mnist.epochs": 3, "run.output": "gs://b/runs"}), the same ones the command's flags set."""
+
+    workload: str
+    settings: dict[str, Any] = {}
+    nodes: int = 0  # 0: the cluster's default
+    name: str = ""
 
 
-@router.post("/jobs", summary="Submit a job to the Slurm queue (not wired yet: 501)")
-def submit_job() -> JSONResponse:
-    return _not_yet("submitting a job", "dtrain.control.jobs")
+@router.get("/jobs", summary="The jobs dtrain submitted to the cluster's Slurm (what `dtrain jobs --json` prints)")
+def list_jobs(
+    request: Request, all_jobs: Annotated[bool, Query(alias="all", description="ended ones too")] = False
+) -> dict[str, Any]:
+    from dtrain.control.slurm.jobs import list_jobs as slurm_jobs
+
+    dash = _dash(request)
+    return {"cluster": dash.cluster.name, "jobs": [r.as_dict() for r in slurm_jobs(dash.cluster, all_jobs=all_jobs)]}
 
 
-@router.delete("/jobs/{job_id}", summary="Cancel a queued or running job (not wired yet: 501)")
-def cancel_job(job_id: str) -> JSONResponse:
-    return _not_yet("cancelling a job", "dtrain.control.jobs")
+@router.post("/jobs", summary="Queue a workload as a Slurm job (what `dtrain submit` does)", status_code=201)
+def submit_job(request: Request, body: JobBody) -> dict[str, Any]:
+    """Checked and queued at once; the answer has the job id and where its run goes."""
+    from dtrain.control.events import Events, Handle
+    from dtrain.control.launch import LaunchRequest
+    from dtrain.control.settings import WORKLOADS, schema
+    from dtrain.control.slurm.jobs import submit
+
+    dash = _dash(request)
+    if body.workload not in WORKLOADS:
+        raise UserError(f"unknown workload {body.workload!r} (known: {', '.join(sorted(WORKLOADS))})")
+    known = {k for k, v in schema().items() if v.section in ("run", body.workload)}
+    if unknown := sorted(set(body.settings) - known):
+        raise UserError(f"unknown setting {unknown[0]!r} for {body.workload} (known: {', '.join(sorted(known))})")
+    if body.nodes < 0:
+        raise UserError(f"nodes must be 0 (the cluster's default) or more, not {body.nodes}")
+    flags = {**body.settings, "run.cluster": dash.cluster.name if dash.cluster_named else None}
+    req = LaunchRequest(workload=body.workload, flags=flags, config_path=dash.config_path)
+    r = submit(req, nodes=body.nodes, name=body.name, events=Events(), handle=Handle())
+    return dataclasses.asdict(r)
+
+
+@router.delete("/jobs/{job_id}", summary="Cancel a queued or running job (its ranks checkpoint and stop)")
+def cancel_job(request: Request, job_id: str) -> dict[str, Any]:
+    from dtrain.control.events import Events, Handle
+    from dtrain.control.slurm.jobs import cancel
+
+    if not job_id.isdigit():
+        raise UserError(f"bad job id {job_id!r}: Slurm's job ids are numbers")
+    r = cancel(_dash(request).cluster, job_id, events=Events(), handle=Handle())
+    out = dataclasses.asdict(r)
+    out["state"] = r.state.state if r.state else "UNKNOWN"
+    return out

@@ -31,6 +31,7 @@ class Dashboard:
     output: str
     cluster: Cluster
     cluster_named: bool = False
+    config_path: Path | None = None  # --config: what a job submitted through the API is resolved with
     token: str | None = None
     port: int = 0
     events: Events = dataclasses.field(default_factory=Events)

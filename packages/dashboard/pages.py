@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, Response
 from fastapi.templating import Jinja2Templates
 
+from dtrain.common.errors import UserError
 from dtrain.control import runs
 from dtrain.dashboard import table
 from dtrain.dashboard.app import HERE, Dashboard
@@ -117,4 +118,21 @@ def compare_page(request: Request, run: Annotated[list[str] | None, Query()] = N
 @router.get("/cluster", response_class=HTMLResponse)
 def cluster_page(request: Request) -> HTMLResponse:
     dash = _dash(request)
-    return render(request, "cluster.html", cluster=dash.cluster, named=dash.cluster_named, nodes=dash.node_states())
+    jobs, queue_error = [], ""
+    if dash.cluster.slurm is not None:
+        from dtrain.control.slurm.jobs import list_jobs
+
+        try:
+            jobs = [r.as_dict() for r in list_jobs(dash.cluster)]
+        except UserError as e:  # Slurm not answering: the page still shows the nodes
+            queue_error = str(e)
+    return render(
+        request,
+        "cluster.html",
+        cluster=dash.cluster,
+        named=dash.cluster_named,
+        nodes=dash.node_states(),
+        slurm=dash.cluster.slurm is not None,
+        jobs=jobs,
+        queue_error=queue_error,
+    )

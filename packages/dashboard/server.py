@@ -8,6 +8,7 @@ import contextlib
 import errno
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from dtrain.common.errors import ExitCode, UserError
@@ -26,6 +27,7 @@ def serve(
     cluster: Cluster,
     *,
     cluster_named: bool,
+    config_path: Path | None = None,
     host: str,
     port: int,
     events: Events,
@@ -44,7 +46,9 @@ def serve(
     found = _check_output(output)
     sock = bind(host, port)
     port = sock.getsockname()[1]
-    dash = Dashboard(output, cluster, cluster_named=cluster_named, token=token, port=port, events=events)
+    dash = Dashboard(
+        output, cluster, cluster_named=cluster_named, config_path=config_path, token=token, port=port, events=events
+    )
     server = _server(
         uvicorn.Config(
             create_app(dash),

@@ -50,7 +50,7 @@ def load_model(
     from peft import set_peft_model_state_dict
 
     from dtrain.lora.fused import fuse_model
-    from dtrain.lora.model import apply_lora, load_base
+    from dtrain.lora.model import apply_configured_lora, load_base
     from dtrain.lora.train import base_dtype
 
     cfg = workload_config(saved, LoraConfig)
@@ -62,15 +62,7 @@ def load_model(
     else:
         weights = checkpoint_weights(run, step)
     model, tokenizer = load_base(cfg.model, base_dtype(precision.mode, device), seed=cfg.run.seed)
-    model, _targets = apply_lora(
-        model,
-        cfg.model,
-        r=cfg.lora_r,
-        alpha=cfg.lora_alpha,
-        dropout=cfg.lora_dropout,
-        targets=cfg.target_modules,
-        seed=cfg.run.seed,
-    )
+    model, _targets = apply_configured_lora(model, cfg)
     result = set_peft_model_state_dict(model, weights)
     unused = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
     if unused:  # peft loads what matches and says nothing: an adapter that fits nothing would evaluate the base

@@ -210,6 +210,20 @@ def linear_names(model: torch.nn.Module) -> set[str]:
     return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))}
 
 
+def apply_configured_lora(model: torch.nn.Module, cfg: Any) -> tuple[torch.nn.Module, list[str]]:
+    """apply_lora with a run's LoRA settings (a dtrain.lora.config.LoraConfig): training and evaluation
+    build the same adapter from the same config."""
+    return apply_lora(
+        model,
+        cfg.model,
+        r=cfg.lora_r,
+        alpha=cfg.lora_alpha,
+        dropout=cfg.lora_dropout,
+        targets=cfg.target_modules,
+        seed=cfg.run.seed,
+    )
+
+
 def apply_lora(
     model: torch.nn.Module, name: str, *, r: int, alpha: float, dropout: float, targets: list[str], seed: int
 ) -> tuple[torch.nn.Module, list[str]]:

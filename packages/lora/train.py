@@ -30,7 +30,7 @@ from dtrain.common.workload import Context, run_workload
 from dtrain.lora.config import LoraConfig
 from dtrain.lora.data import Blocks, load_blocks, read_documents
 from dtrain.lora.fused import fuse_model
-from dtrain.lora.model import apply_lora, load_base
+from dtrain.lora.model import apply_configured_lora, load_base
 
 MIN_LR_FRACTION = 0.1
 DEFAULT_WARMUP_FRACTION = 0.03
@@ -138,15 +138,7 @@ def train(ctx: Context) -> dict[str, Any]:
 
     texts = read_documents(cfg.data, cfg.text_field)
     model, tokenizer = load_base(cfg.model, base_dtype(ctx.precision.mode, d.device), cfg.run.seed, d.device, d)
-    model, targets = apply_lora(
-        model,
-        cfg.model,
-        r=cfg.lora_r,
-        alpha=cfg.lora_alpha,
-        dropout=cfg.lora_dropout,
-        targets=cfg.target_modules,
-        seed=cfg.run.seed,
-    )
+    model, targets = apply_configured_lora(model, cfg)
     model.to(d.device)  # peft puts LoRA weights beside their base layer; this catches any it does not
     fused = fuse_model(model)  # exact regroupings of the stock arithmetic; the stock path where they do not apply
     vocab = getattr(model.config, "vocab_size", None)

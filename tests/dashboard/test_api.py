@@ -201,14 +201,22 @@ def test_an_eval_started_over_the_api_gives_the_runs_own_accuracy(api: Api) -> N
     assert c.post("/api/v1/evals", json={"run": "no-such-run"}).status_code == 404
 
 
-def test_jobs_say_they_are_not_wired_yet(api: Api) -> None:
+def test_jobs_on_a_cluster_without_slurm_are_one_line_400s(api: Api) -> None:
+    """This machine has no Slurm: each job endpoint says so (tests/slurm/test_dashboard_jobs.py drives them
+    on a real Slurm)."""
     c = api.client
-    for answer, what in [
-        (c.get("/api/v1/jobs"), "the job queue"),
-        (c.post("/api/v1/jobs", json={}), "submitting a job"),
-        (c.delete("/api/v1/jobs/7"), "cancelling a job"),
+    no_slurm = "cluster 'local' has no Slurm: jobs queue on Slurm clusters"
+    for answer, detail in [
+        (c.get("/api/v1/jobs"), no_slurm),
+        (c.post("/api/v1/jobs", json={"workload": "mnist", "settings": {"mnist.epochs": 1}}), no_slurm),
+        (c.delete("/api/v1/jobs/7"), no_slurm),
+        (c.post("/api/v1/jobs", json={"workload": "mnist", "settings": {"run.nprocs": 2}}), "unknown setting"),
+        (c.post("/api/v1/jobs", json={}), ""),  # no workload: FastAPI's validation answer
     ]:
-        assert answer.status_code == 501 and answer.json()["detail"].startswith(f"{what} is not available"), answer
+        if detail:
+            assert answer.status_code == 400 and answer.json()["detail"].startswith(detail), answer.text
+        else:
+            assert answer.status_code == 422 and answer.json()["detail"][0]["loc"] == ["body", "workload"]
 
 
 def test_openapi_page_and_schema_are_served_without_a_cdn(api: Api) -> None:
