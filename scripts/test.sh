@@ -16,7 +16,7 @@ export DTRAIN_STRICT_SKIPS="${DTRAIN_STRICT_SKIPS:-1}"
 
 start=$(date +%s)
 rc=0
-.venv/bin/python -m pytest -m "not slow" "$@" || rc=$?
+.venv/bin/python -m pytest -m "not slow" --durations=30 "$@" || rc=$?
 echo "test.sh: default suite: exit $rc in $(( $(date +%s) - start ))s; now the slow tests"
 slow_start=$(date +%s)
 slow_rc=0

@@ -166,6 +166,7 @@ def test_zone_exhausted_says_what_to_do_then_next_zone_retries(env_for, world, g
     assert not (cwd / "config" / "dtrain" / "clusters" / "demo" / "record.json").exists()
 
 
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
 def test_up_after_a_default_down_adopts_the_kept_bucket(env_for, gcs_emulator):
     # `down` keeps the checkpoint bucket and takes it out of Terraform's state; the next `up` must
     # adopt it (GCS answers 409 to a create of a bucket that exists), data and all.

@@ -129,6 +129,7 @@ def dtrain(setup: dict, *args: str, timeout: float = 400) -> subprocess.Complete
     )
 
 
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
 def test_up_train_status_down(setup: dict, testbed: Testbed) -> None:
     world, client = setup["world"], setup["client"]
     READY_FILE.unlink(missing_ok=True)

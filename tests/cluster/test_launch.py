@@ -138,6 +138,7 @@ def test_two_hosts_two_processes_train_to_the_bucket(cwd: Path, emulator: str, t
     assert job_processes(testbed) == {"h0": [], "h1": []}
 
 
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
 def test_worker_killed_mid_run_recovers_from_last_checkpoint(cwd: Path, emulator: str, testbed: Testbed) -> None:
     out = bucket(emulator)
     p = start(cwd, emulator, *MNIST, "--output", out, "--checkpoint-every", "20", "--max-restarts", "2")
@@ -200,6 +201,7 @@ def test_ctrl_c_leaves_no_process_on_any_host(cwd: Path, emulator: str, testbed:
     assert "interrupted: stopping the job on every node" in text
 
 
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
 def test_blocked_rendezvous_port_is_named(cwd: Path, emulator: str, testbed: Testbed) -> None:
     h0, h1 = testbed.hosts
     testbed.block_port(h0, 29400)
@@ -304,6 +306,7 @@ def test_worker_killed_without_restarts_fails_fast(cwd: Path, emulator: str, tes
     assert job_processes(testbed) == {"h0": [], "h1": []}
 
 
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
 def test_debian_style_hostnames_need_no_interface_key(
     cwd: Path, emulator: str, testbed: Testbed, known_hosts: Path, tmp_path: Path
 ) -> None:
@@ -349,6 +352,7 @@ def test_debian_style_hostnames_need_no_interface_key(
     assert len(errors) == 1 and re.fullmatch(wanted, errors[0]), bad.stderr
 
 
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
 def test_node_logs_reach_the_run_while_it_trains_and_logs_f_follows_them(
     cwd: Path, emulator: str, testbed: Testbed
 ) -> None:

@@ -52,6 +52,7 @@ def test_a_node_that_refuses_the_key_ends_the_wait_early(tmp_path, key, monkeypa
     assert elapsed < 30, elapsed
 
 
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
 def test_a_node_that_takes_the_key_and_is_ready_passes(tmp_path, key, monkeypatch):
     # The same wait on a node that authorizes the key and whose startup script has reported: ready.
     ready = tmp_path / "ready"

@@ -125,6 +125,7 @@ def test_the_merged_model_loads_with_stock_transformers_and_gives_the_same_loss(
     assert eval_loss(merged, trained.eval_blocks) == pytest.approx(trained.result["eval_loss"], abs=1e-4)
 
 
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
 def test_a_run_in_a_bucket_exports_there_and_resumes_from_it(tmp_path, gcs_bucket, corpus):
     out = f"{gcs_bucket}/runs"
     train(tmp_path, "--data", str(corpus), "--max-steps", "4", "--output", out)

@@ -109,6 +109,7 @@ def test_kill_9_then_resume_gives_the_same_adapter(tmp_path, corpus, reference):
     assert evals(run)[40] == pytest.approx(evals(reference)[40], abs=1e-6)
 
 
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
 def test_gradient_accumulation_equals_one_big_micro_batch(tmp_path, corpus):
     """batch 8 as 2 micro-batches of 4 must train the same adapter as 1 micro-batch of 8."""
     out = {}
