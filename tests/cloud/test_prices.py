@@ -73,3 +73,24 @@ def test_the_machine_types_dtrain_derives_are_all_priced():
             0,
         )
         assert node_price(machine, accelerator, gpus, 100, spot=False).known, machine
+
+
+def test_up_estimate_prices_an_on_demand_master_among_spot_workers():
+    """`dtrain up`'s plan: with spot = true the master is on-demand (master_spot = false), so it is
+    priced at the list price and the workers at the Spot figure."""
+    from dtrain.control.gcp.lifecycle import cost_plan
+    from dtrain.control.gcp.spec import gcp_spec
+
+    table = {"backend": "gcp", "workers": 2, "use_gpu": True, "spot": True, "disk_size_gb": 100}
+    derived = {"machine_type": "g2-standard-8", "accelerator": "nvidia-l4", "gpus": 1}
+    plan = cost_plan(gcp_spec("demo", table, "t"), derived, "proj-123456", "us-central1-a")
+    disk = 100 * 0.10 / 730
+    assert [(r.node, r.spot) for r in plan.rows] == [
+        ("demo-master", False),
+        ("demo-worker-0", True),
+        ("demo-worker-1", True),
+    ]
+    assert plan.rows[0].usd_per_hour == pytest.approx(0.853624 + disk)
+    assert plan.rows[1].usd_per_hour == pytest.approx(0.853624 * 0.40 + disk)
+    both = cost_plan(gcp_spec("demo", {**table, "master_spot": True}, "t"), derived, "proj-123456", "us-central1-a")
+    assert all(r.spot for r in both.rows) and both.rows[0].usd_per_hour == pytest.approx(0.853624 * 0.40 + disk)

@@ -475,6 +475,7 @@ def preflight(
     disk_gb_total: int = 0,
     disk_type: str = "pd-balanced",
     external_ips: bool = True,
+    on_demand_instances: int = 0,
 ) -> PreflightReport:
     """Check, before `terraform apply`, that the cluster fits: the regional GPU, vCPU (the quota of
     `machine_family`), disk (`disk_type`'s), address (one per node with `external_ips`) and instance
@@ -486,7 +487,10 @@ def preflight(
 
     Spot VMs draw on PREEMPTIBLE_* quota where the project has been granted it in the region (a
     limit above 0), and on the standard quota otherwise (Compute Engine's documented rule);
-    GPUS_ALL_REGIONS counts every GPU, spot or not. Four or five API calls; no resource is created.
+    GPUS_ALL_REGIONS counts every GPU, spot or not. With `spot`, `on_demand_instances` of the
+    `instances` are standard VMs all the same (the master, unless master_spot): their share of the
+    vCPUs and GPUs is checked against the standard quota. Four or five API calls; no resource is
+    created.
     """
     if not REGION_RE.fullmatch(region):
         raise UserError(f"region {region!r} is not a Compute Engine region name (like us-central1)")
@@ -515,11 +519,24 @@ def preflight(
             report.notes.append(f"no PREEMPTIBLE_{metric} quota granted in {region}: spot VMs use {metric}")
         return metric
 
+    def check_split(metric: str, needed: int) -> None:
+        """`needed` over every instance: the Spot ones' share on the Spot metric, the rest on `metric`."""
+        chosen = spot_metric(metric)
+        on_demand = needed // max(instances, 1) * on_demand_instances if spot else 0
+        if chosen == metric or not on_demand:
+            check(chosen, needed, regional, region)
+            return
+        check(chosen, needed - on_demand, regional, region)
+        check(metric, on_demand, regional, region)
+
     def check_listed(metric: str, needed: int, what: str, spot_variant: bool = False) -> None:
         # A series' own quota that the region does not list is not taken as limit 0: that would refuse
         # a cluster on a guess. It is said, and not checked.
         if metric in regional:
-            check(spot_metric(metric) if spot_variant else metric, needed, regional, region)
+            if spot_variant:
+                check_split(metric, needed)
+            else:
+                check(metric, needed, regional, region)
         elif needed > 0:
             report.notes.append(f"{metric} is not listed for {region}: {what} quota not checked")
 
@@ -534,7 +551,7 @@ def preflight(
         if metric is None:
             report.notes.append(f"no known quota metric for {accelerator}: regional GPU quota not checked")
         else:
-            check(spot_metric(metric), gpus_total, regional, region)
+            check_split(metric, gpus_total)
         with gcp.errors("reading the project's quotas"):
             project_res = gcp.compute("ProjectsClient").get(project=gcp.project, **gcp.rpc())
         check("GPUS_ALL_REGIONS", gpus_total, {q.metric: q for q in project_res.quotas}, "global")

@@ -149,6 +149,8 @@ def _quota_check(ctx: Context, derived: dict[str, Any], zone: str | None, existi
         machine_family=derived["machine_family"],
         disk_gb_total=s.disk_size_gb * new,
         external_ips=s.external_ip,
+        # the master is among the new nodes only when nothing exists yet; it is on-demand unless master_spot
+        on_demand_instances=1 if new and not existing and s.spot and not s.node_spot("master") else 0,
     )
 
 
@@ -359,14 +361,15 @@ def cost_plan(s: GcpSpec, derived: dict[str, Any], project: str, zone: str) -> C
     gpus = derived["gpus"] if s.use_gpu else 0
     rows = []
     for name in names:
-        price = node_price(derived["machine_type"], accel, gpus, s.disk_size_gb, spot=s.spot)
+        spot = s.node_spot("master" if name == names[0] else "worker")
+        price = node_price(derived["machine_type"], accel, gpus, s.disk_size_gb, spot=spot)
         rows.append(
             PlanRow(
                 name,
                 derived["machine_type"],
                 gpus,
                 accel,
-                s.spot,
+                spot,
                 s.disk_size_gb,
                 price.hourly if price.known else None,
             )
