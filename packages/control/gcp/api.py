@@ -775,7 +775,11 @@ class NodeState:
     preempted_at: str | None = None
     created: str = ""
     last_start: str | None = None
-    uptime_s: float | None = None
+    uptime_s: float | None = None  # running: since its last start (or its creation); else None
+    last_stop: str | None = None
+    # Seconds it ran since its last start (its creation when Compute has no lastStartTimestamp): up to
+    # now while it runs, up to its last stop once stopped. What `dtrain status` prices as node-hours.
+    run_s: float = 0.0
     internal_ip: str = ""
     external_ip: str = ""
 
@@ -823,9 +827,14 @@ def node_states(
             and preempted_at is not None
             and (last_start is None or _time(preempted_at) >= _time(last_start))
         )
+        started = last_start or inst.creation_timestamp or None
+        last_stop = inst.last_stop_timestamp or None
         uptime = None
-        if inst.status == "RUNNING" and last_start:
-            uptime = max(0.0, (now - _time(last_start)).total_seconds())
+        if inst.status == "RUNNING" and started:
+            uptime = max(0.0, (now - _time(started)).total_seconds())
+        run_s = uptime or 0.0
+        if inst.status not in ("RUNNING", "STAGING", "PROVISIONING") and started and last_stop:
+            run_s = max(0.0, (_time(last_stop) - _time(started)).total_seconds())
         accs = list(inst.guest_accelerators)
         states.append(
             NodeState(
@@ -841,6 +850,8 @@ def node_states(
                 created=inst.creation_timestamp,
                 last_start=last_start,
                 uptime_s=uptime,
+                last_stop=last_stop,
+                run_s=run_s,
                 internal_ip=nic.network_i_p if nic is not None else "",
                 external_ip=external,
             )
