@@ -74,6 +74,8 @@ class GcpSpec:
     state_bucket: str = ""
     ready_timeout: int = 900  # seconds `dtrain up` waits for every node to be ready
     image: str = ""  # training image (container mode); default: the last `dtrain build --cluster NAME`
+    # A running job whose metrics have not advanced for this long is stalled ("30m", "2h", "90s").
+    stall_after: str = "30m"
     # Launcher keys shared with hosts clusters
     rdzv_port: int = 29400
     rdzv_timeout: int = 120
@@ -189,6 +191,9 @@ def _check(s: GcpSpec, where: str) -> None:
         raise UserError(f"{where}: the label dtrain-cluster is set by dtrain (to the cluster's name)")
     if not 1 <= s.rdzv_port <= 65535:
         raise UserError(f"{where}: rdzv_port must be 1-65535, got {s.rdzv_port}")
+    from dtrain.control.cluster import duration
+
+    duration(s.stall_after, "stall_after", where)
     if s.ready_timeout < 60:
         raise UserError(f"{where}: ready_timeout must be at least 60 seconds, got {s.ready_timeout}")
 
