@@ -94,3 +94,27 @@ def test_up_estimate_prices_an_on_demand_master_among_spot_workers():
     assert plan.rows[1].usd_per_hour == pytest.approx(0.853624 * 0.40 + disk)
     both = cost_plan(gcp_spec("demo", {**table, "master_spot": True}, "t"), derived, "proj-123456", "us-central1-a")
     assert all(r.spot for r in both.rows) and both.rows[0].usd_per_hour == pytest.approx(0.853624 * 0.40 + disk)
+
+
+def test_the_readmes_autostop_example_is_what_the_price_table_gives():
+    """README's "What autostop saves": a master (on-demand) and two L4 Spot workers, g2-standard-8 with a
+    100 GB disk, idle 14 h, without autostop and with autostop 60 m (then 13 h stopped: disks only)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    master = node_price("g2-standard-8", "nvidia-l4", 1, 100, spot=False)
+    worker = node_price("g2-standard-8", "nvidia-l4", 1, 100, spot=True)
+    running = master.hourly + 2 * worker.hourly
+    stopped = 3 * master.disk
+    without, with_autostop = 14 * running, 1 * running + 13 * stopped
+    assert (round(running, 4), round(without, 4), round(with_autostop, 4)) == (1.5776, 22.0867, 2.1119)
+    assert f"**${running:.4f}** | **${without:.4f}** | **${with_autostop:.4f}**" in readme
+    assert f"Autostop saves ${without - with_autostop:.2f} of ${without:.2f} (90%)" in readme
+    assert round(100 * (without - with_autostop) / without) == 90
+    rows = [
+        14 * master.hourly,
+        master.hourly + 13 * master.disk,
+        14 * 2 * worker.hourly,
+        2 * worker.hourly + 13 * 2 * worker.disk,
+    ]
+    assert [f"${v:.4f}" in readme for v in rows] == [True] * 4, [round(v, 4) for v in rows]
