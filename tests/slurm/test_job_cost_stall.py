@@ -170,3 +170,14 @@ def test_slurm_durations_and_host_lists() -> None:
     ]  # fmt: skip
     assert expand_nodelist("n[08-10]") == ["n08", "n09", "n10"] and expand_nodelist("") == []
     assert expand_nodelist("h0") == ["h0"]
+
+
+def test_a_users_slurm_cluster_takes_stall_after_too(tmp_path: Path) -> None:
+    key = tmp_path / "id"
+    key.write_text("k")
+    login = {"host": "login.example.org", "user": "me", "key": str(key)}
+    spec = {"login": login, "stall_after": "1h30m"}
+    cfg = ClusterConfig(backend="slurm", name="hpc", spec=spec, source=str(tmp_path / "t.toml"))
+    get("slurm").check(cfg)
+    c = get("slurm").cluster(cfg)
+    assert c.slurm.stall_after == 5400 and c.node_usd_per_hour is None
