@@ -28,6 +28,7 @@ import shlex
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dtrain.common.errors import ExitCode, UserError
@@ -404,7 +405,7 @@ def elapsed_seconds(text: str) -> int:
     return int(days or 0) * 86400 + h * 3600 + m * 60 + s
 
 
-def job_node_prices(prices: dict[str, float] | Any, nodelist: str, nodes: int) -> list[float]:
+def job_node_prices(prices: Mapping[str, float], nodelist: str, nodes: int) -> list[float]:
     """The hourly price of each of a job's `nodes` nodes: by name from Slurm's nodelist where the cluster
     prices that node, and the mean of the cluster's node prices for the rest (a node Slurm names
     otherwise, or a job that has not started)."""
