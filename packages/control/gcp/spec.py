@@ -11,6 +11,7 @@
     gpus_per_node = 1
     spot = false
     master_spot = false                 # with spot = true: the master is Spot too (default: on-demand)
+    stall_after = "30m"                 # a running Slurm job whose metrics have not advanced this long is stalled
     ssh_source_ranges = ["203.0.113.7/32"]   # who may SSH in (required)
     external_ip = true                  # false: internal IPs only, SSH through IAP (needs gcloud)
     os_login = "auto"                   # true / false; auto: as the organisation's policy requires
