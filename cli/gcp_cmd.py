@@ -108,21 +108,26 @@ def status(cluster: o.Cluster = None, json_out: o.Json = False) -> None:
     from rich.table import Table
 
     table = Table(title=f"cluster {st.cluster} ({st.project}, {st.zone})", title_justify="left")
-    for col in ("node", "state", "machine", "GPUs", "uptime", "$/hour", "$ so far"):
+    for col in ("node", "state", "machine", "GPUs", "spot", "uptime", "node-hours", "$/hour", "$ so far"):
         table.add_column(col)
     for r in st.nodes:
-        style = {"RUNNING": "green", "PREEMPTED": "red", "TERMINATED": "red"}.get(r.state, "yellow")
+        style = {"RUNNING": "green", "PREEMPTED": "red", "STOPPED": "dim", "MISSING": "red"}.get(r.state, "yellow")
         table.add_row(
             r.name,
             f"[{style}]{r.state}[/]",
             r.machine_type,
             str(r.gpus),
+            "yes" if r.spot else "no",
             _duration(r.uptime_s),
+            f"{r.node_hours:.2f}",
             f"{r.usd_per_hour:.3f}",
             f"{r.usd_so_far:.2f}",
         )
     console.out.print(table)
-    console.out.print(f"now ${st.usd_per_hour:.2f}/hour; ${st.usd_so_far:.2f} since the running nodes last started")
+    console.out.print(
+        f"cost so far ${st.usd_so_far:.2f} (each node's hours since its last start, to now or to its stop); "
+        f"now ${st.usd_per_hour:.2f}/hour"
+    )
     console.out.print(f"[dim]{st.note}[/]")
 
 

@@ -102,26 +102,39 @@ def jobs(
     from rich.table import Table
 
     table = Table(title=f"jobs on cluster {c.name}", title_justify="left")
-    for col in ("job", "name", "workload", "state", "nodes", "submitted", "started", "duration", "run", "restarts"):
+    columns = ("job", "name", "workload", "state", "nodes", "submitted", "started", "duration", "node-hours", "$ est.")
+    for col in (*columns, "run", "restarts"):
         table.add_column(col, no_wrap=col in ("job", "state", "run"))
     table.add_column("last metric")
     for r in rows:
         state = r["state"] + (f" ({r['reason']})" if r["reason"] and r["state"] == "PENDING" else "")
         state += f" (exit {r['exit_code']})" if r["exit_code"] not in (None, 0) else ""
+        colour = _colour(r["state"])
+        if r["stalled"]:  # running, but its metrics have not advanced for the cluster's stall_after
+            state, colour = f"stalled since {r['stalled_since'].replace('T', ' ')} ({state})", "red"
         table.add_row(
             r["job_id"],
             r["name"],
             r["workload"],
-            f"[{_colour(r['state'])}]{console.escape(state)}[/]",
+            f"[{colour}]{console.escape(state)}[/]",
             str(r["nodes"]),
             r["submitted"] or "-",
             r["started"] or "-",
             r["duration"] or "-",
+            f"{r['node_hours']:.2f}",
+            "-" if r["usd"] is None else f"{r['usd']:.2f}",
             r["run_id"],
             str(r["restarts"]),
             _metric(r["last_metric"]),
         )
     console.out.print(table)
+    if any(r["usd"] is not None for r in rows):
+        from dtrain.control.gcp.prices import PRICES_AS_OF, PRICES_REGION, PRICES_SOURCE
+
+        console.out.print(
+            f"[dim]$ est.: node-hours (Slurm's elapsed x nodes) at dtrain's price table: {PRICES_REGION} list "
+            f"prices as of {PRICES_AS_OF} ({PRICES_SOURCE}), Spot at 60% off; your bill may differ[/]"
+        )
 
 
 def _colour(state: str) -> str:

@@ -45,11 +45,11 @@ resource "google_compute_instance" "node" {
   }
 
   scheduling {
-    on_host_maintenance         = module.plan.scheduling.on_host_maintenance
-    automatic_restart           = module.plan.scheduling.automatic_restart
-    preemptible                 = module.plan.scheduling.preemptible
-    provisioning_model          = module.plan.scheduling.provisioning_model
-    instance_termination_action = module.plan.scheduling.instance_termination_action
+    on_host_maintenance         = module.plan.scheduling[each.value.role].on_host_maintenance
+    automatic_restart           = module.plan.scheduling[each.value.role].automatic_restart
+    preemptible                 = module.plan.scheduling[each.value.role].preemptible
+    provisioning_model          = module.plan.scheduling[each.value.role].provisioning_model
+    instance_termination_action = module.plan.scheduling[each.value.role].instance_termination_action
   }
 
   # The cluster's own identity, never the default compute service account. The cloud-platform

@@ -16,6 +16,7 @@ module "plan" {
   gpus_per_node           = var.gpus_per_node
   machine_type            = var.machine_type
   spot                    = var.spot
+  master_spot             = var.master_spot
   spot_termination_action = var.spot_termination_action
   disk_size_gb            = var.disk_size_gb
   disk_type               = var.disk_type

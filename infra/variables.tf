@@ -98,6 +98,12 @@ variable "spot" {
   description = "Run nodes as Spot VMs (much cheaper, may be preempted with ~30 s notice; dtrain resumes from the last checkpoint)."
 }
 
+variable "master_spot" {
+  type        = bool
+  default     = false
+  description = "With spot = true, run the master as Spot too. Off by default: a preempted master cannot restart itself or the workers, so recovery would need `dtrain up` from your machine."
+}
+
 variable "spot_termination_action" {
   type        = string
   default     = "STOP"

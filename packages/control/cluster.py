@@ -64,6 +64,9 @@ class Cluster:
     needs_image: bool = False  # the nodes have no Python with torch: synced mode cannot work
     launcher: str = "ssh"  # how jobs start: "ssh" (dtrain.control.remote), "local" (no SSH) or "slurm"
     slurm: SlurmSpec | None = None  # the cluster's Slurm (launcher "slurm"): dtrain.control.slurm
+    # Each node's estimated USD per hour, by name (gcp: dtrain.control.gcp.prices); None: no price is
+    # known (a user's own machines or Slurm cluster).
+    node_usd_per_hour: Mapping[str, float] | None = None
 
     @property
     def master(self) -> Node:
@@ -108,6 +111,23 @@ def typed(value: Any, tp: type, key: str, where: str) -> Any:
         name = {int: "an integer", str: "a string", bool: "true or false"}.get(tp, tp.__name__)
         raise UserError(f"{where}: {key} must be {name}, got {value!r}")
     return value
+
+
+_DURATION_RE = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
+
+
+def duration(value: Any, key: str, where: str) -> float:
+    """A duration from a cluster table, in seconds: an integer (seconds) or "90s", "30m", "2h", "1h30m"."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        seconds = value
+    elif isinstance(value, str) and (m := _DURATION_RE.match(value.strip())) and any(m.groups()):
+        h, mi, s = (int(g or 0) for g in m.groups())
+        seconds = h * 3600 + mi * 60 + s
+    else:
+        raise UserError(f'{where}: {key} must be a duration like "30m", "2h", "90s" or seconds, got {value!r}')
+    if seconds <= 0:
+        raise UserError(f"{where}: {key} must be more than 0 seconds, got {value!r}")
+    return float(seconds)
 
 
 def check_keys(table: Mapping[str, Any], known: set[str], where: str) -> None:

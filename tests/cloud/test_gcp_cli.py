@@ -309,3 +309,35 @@ def test_commands_refuse_a_non_gcp_cluster(tmp_path):
     r = subprocess.run([*CLI, "up", "--cluster", "lab"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "cluster 'lab' uses the hosts backend" in r.stderr
+
+
+def test_status_shows_stopped_nodes_and_the_cost_so_far(env_for, world):
+    """Stopped VMs (so the figures do not move with the clock): each one's hours from its last start (or
+    its creation) to its last stop, at prices.py's e2-medium price, and the total, labelled an estimate."""
+    labels = {"dtrain-cluster": "demo"}
+    world.add_instance("us-central1-a", "demo-master", labels=labels, machine_type="e2-medium",
+                       last_start="2025-01-01T08:00:00.000+00:00")  # fmt: skip
+    world.add_instance("us-central1-a", "demo-worker-0", labels=labels, machine_type="e2-medium", spot=True,
+                       created="2025-01-01T09:00:00.000+00:00", last_start=None)  # fmt: skip
+    world.instances[("us-central1-a", "demo-master")].update(
+        status="TERMINATED", lastStopTimestamp="2025-01-01T18:00:00.000+00:00"
+    )
+    world.preempt("us-central1-a", "demo-worker-0", "2025-01-01T13:00:00.000+00:00")
+    cwd, env = env_for(CPU.format(state="tfstate-cost"))
+    r = dtrain(cwd, env, "status", "--cluster", "demo", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = json.loads(r.stdout)
+    disk = 100 * 0.10 / 730
+    master_cost = round(10 * (0.033503 + disk), 4)  # 10 node-hours on demand: 0.4720
+    worker_cost = round(4 * (0.033503 * 0.40 + disk), 4)  # 4 node-hours Spot: 0.1084
+    by_name = {n["name"]: n for n in st["nodes"]}
+    assert (by_name["demo-master"]["state"], by_name["demo-master"]["node_hours"]) == ("STOPPED", 10.0)
+    assert (by_name["demo-worker-0"]["state"], by_name["demo-worker-0"]["node_hours"]) == ("PREEMPTED", 4.0)
+    assert (by_name["demo-master"]["usd_so_far"], by_name["demo-worker-0"]["usd_so_far"]) == (0.472, 0.1084)
+    assert (master_cost, worker_cost) == (0.472, 0.1084)
+    assert st["usd_so_far"] == 0.5804
+    r = dtrain(cwd, env, "status", "--cluster", "demo")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "STOPPED" in r.stdout and "PREEMPTED" in r.stdout
+    assert "cost so far $0.58 (each node's hours since its last start, to now or to its stop)" in r.stdout
+    assert "estimate: us-central1" in r.stdout and "list prices as of 2025-06" in r.stdout

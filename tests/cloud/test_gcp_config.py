@@ -78,6 +78,7 @@ def test_every_combination_renders_declared_typed_variables(gpu):
         assert values["worker_count"] == other["workers"]
         assert values["use_gpu"] is gpu["use_gpu"]
         assert values["spot"] is other["spot"]
+        assert values["master_spot"] is False  # the master is on-demand unless the table says otherwise
         assert values["bucket_name"] == "proj-123456-dtrain-demo"
         assert values["ssh_source_ranges"] == ["203.0.113.7/32"]
         assert values["labels"] == {"team": "ml"}
@@ -167,6 +168,32 @@ def test_derive_accepts_what_the_cli_renders(settings, machine, gpus):
     assert d["machine_type"].startswith(machine)
     assert d["gpus"] == gpus
     assert d["accelerator"] == ("" if gpus == 0 else settings["accelerator"])
+
+
+@pytest.mark.parametrize(
+    ("settings", "master", "worker"),
+    [
+        ({"spot": True}, "STANDARD", "SPOT"),  # by default the master is on-demand when the workers are Spot
+        ({"spot": True, "master_spot": True}, "SPOT", "SPOT"),
+        ({"master_spot": True}, "STANDARD", "STANDARD"),  # master_spot alone changes nothing
+        ({}, "STANDARD", "STANDARD"),
+    ],
+)
+def test_master_spot_reaches_each_roles_scheduling(settings, master, worker):
+    from dtrain.control.gcp.terraform import derive
+
+    s = spec(use_gpu=True, accelerator="nvidia-l4", **settings)
+    values = tfvars(s, project="proj-123456", zone="us-central1-a", ssh_public_key=KEY)
+    assert values["master_spot"] is settings.get("master_spot", False)
+    d = derive(values)
+    assert d["scheduling"]["master"]["provisioning_model"] == master
+    assert d["scheduling"]["worker"]["provisioning_model"] == worker
+    assert (s.node_spot("master"), s.node_spot("worker")) == (master == "SPOT", worker == "SPOT")
+
+
+def test_master_spot_must_be_a_bool():
+    with pytest.raises(UserError, match="master_spot must be true or false"):
+        spec(master_spot="yes")
 
 
 @pytest.mark.parametrize(

@@ -73,3 +73,48 @@ def test_the_machine_types_dtrain_derives_are_all_priced():
             0,
         )
         assert node_price(machine, accelerator, gpus, 100, spot=False).known, machine
+
+
+def test_up_estimate_prices_an_on_demand_master_among_spot_workers():
+    """`dtrain up`'s plan: with spot = true the master is on-demand (master_spot = false), so it is
+    priced at the list price and the workers at the Spot figure."""
+    from dtrain.control.gcp.lifecycle import cost_plan
+    from dtrain.control.gcp.spec import gcp_spec
+
+    table = {"backend": "gcp", "workers": 2, "use_gpu": True, "spot": True, "disk_size_gb": 100}
+    derived = {"machine_type": "g2-standard-8", "accelerator": "nvidia-l4", "gpus": 1}
+    plan = cost_plan(gcp_spec("demo", table, "t"), derived, "proj-123456", "us-central1-a")
+    disk = 100 * 0.10 / 730
+    assert [(r.node, r.spot) for r in plan.rows] == [
+        ("demo-master", False),
+        ("demo-worker-0", True),
+        ("demo-worker-1", True),
+    ]
+    assert plan.rows[0].usd_per_hour == pytest.approx(0.853624 + disk)
+    assert plan.rows[1].usd_per_hour == pytest.approx(0.853624 * 0.40 + disk)
+    both = cost_plan(gcp_spec("demo", {**table, "master_spot": True}, "t"), derived, "proj-123456", "us-central1-a")
+    assert all(r.spot for r in both.rows) and both.rows[0].usd_per_hour == pytest.approx(0.853624 * 0.40 + disk)
+
+
+def test_the_readmes_autostop_example_is_what_the_price_table_gives():
+    """README's "What autostop saves": a master (on-demand) and two L4 Spot workers, g2-standard-8 with a
+    100 GB disk, idle 14 h, without autostop and with autostop 60 m (then 13 h stopped: disks only)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    master = node_price("g2-standard-8", "nvidia-l4", 1, 100, spot=False)
+    worker = node_price("g2-standard-8", "nvidia-l4", 1, 100, spot=True)
+    running = master.hourly + 2 * worker.hourly
+    stopped = 3 * master.disk
+    without, with_autostop = 14 * running, 1 * running + 13 * stopped
+    assert (round(running, 4), round(without, 4), round(with_autostop, 4)) == (1.5776, 22.0867, 2.1119)
+    assert f"**${running:.4f}** | **${without:.4f}** | **${with_autostop:.4f}**" in readme
+    assert f"Autostop saves ${without - with_autostop:.2f} of ${without:.2f} (90%)" in readme
+    assert round(100 * (without - with_autostop) / without) == 90
+    rows = [
+        14 * master.hourly,
+        master.hourly + 13 * master.disk,
+        14 * 2 * worker.hourly,
+        2 * worker.hourly + 13 * 2 * worker.disk,
+    ]
+    assert [f"${v:.4f}" in readme for v in rows] == [True] * 4, [round(v, 4) for v in rows]

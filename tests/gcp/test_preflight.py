@@ -66,6 +66,26 @@ def test_spot_falls_back_to_standard_quota_without_a_preemptible_grant(gcp, worl
     assert "no PREEMPTIBLE_NVIDIA_L4_GPUS quota granted in us-central1: spot VMs use NVIDIA_L4_GPUS" in report.notes
 
 
+def test_an_on_demand_master_among_spot_workers_counts_against_standard_quota(gcp, world):
+    # 4 nodes with 1 L4 and 8 vCPUs each: the master (on-demand, master_spot = false) on the standard
+    # quotas, the 3 Spot workers on the PREEMPTIBLE_ ones.
+    world.set_quota("NVIDIA_L4_GPUS", 0, 0, region=REGION)
+    world.set_quota("PREEMPTIBLE_NVIDIA_L4_GPUS", 8, 0, region=REGION)
+    world.set_quota("PREEMPTIBLE_G2_CPUS", 64, 0, region=REGION)
+    report = run(gcp, spot=True, cpus=32, machine_family="g2", on_demand_instances=1)
+    assert report.problems == [
+        f"request NVIDIA_L4_GPUS >= 1 in us-central1 (limit 0, in use 0, this cluster needs 1): {QUOTAS}"
+    ]
+    needs = {(q.metric, q.needed) for q in report.quotas}
+    assert {("G2_CPUS", 8), ("PREEMPTIBLE_G2_CPUS", 24), ("PREEMPTIBLE_NVIDIA_L4_GPUS", 3)} <= needs
+    # Without a PREEMPTIBLE_ grant every node is on the standard quota, as before.
+    world.set_quota("NVIDIA_L4_GPUS", 4, 0, region=REGION)
+    world.set_quota("PREEMPTIBLE_NVIDIA_L4_GPUS", 0, 0, region=REGION)
+    report = run(gcp, spot=True, cpus=32, machine_family="g2", on_demand_instances=1)
+    assert report.problems == []
+    assert ("NVIDIA_L4_GPUS", 4) in {(q.metric, q.needed) for q in report.quotas}
+
+
 def test_gpus_all_regions(gcp, world):
     world.set_quota("GPUS_ALL_REGIONS", 1, 0)
     report = run(gcp)

@@ -114,3 +114,54 @@ def test_many_nodes_are_paged(gcp, world):
         world.add_instance(ZONE, f"demo-worker-{i}", labels=LABELS)
     assert len(node_states(gcp, ZONE, "demo")) == 7
     assert world.called("GET", f"/zones/{ZONE}/instances$") == 4  # pages of 2
+
+
+def test_run_time_since_the_last_start_to_now_or_to_the_stop(gcp, world):
+    """run_s, what `dtrain status` prices: a running VM's time since its last start (its creation when
+    Compute has no lastStartTimestamp), a stopped VM's from its last start to its last stop."""
+    world.add_instance(ZONE, "demo-master", labels=LABELS, created="2025-01-01T02:00:00.000-08:00", last_start=None)
+    world.add_instance(ZONE, "demo-worker-0", labels=LABELS, spot=True, last_start="2025-01-01T01:00:00.000-08:00")
+    world.preempt(ZONE, "demo-worker-0", "2025-01-01T02:30:00.000-08:00")
+    by_name = {s.name: s for s in node_states(gcp, ZONE, "demo", now=NOW)}
+    master, worker = by_name["demo-master"], by_name["demo-worker-0"]
+    assert (master.uptime_s, master.run_s) == (2 * 3600, 2 * 3600)  # 10:00Z (created) -> 12:00Z
+    assert worker.uptime_s is None and worker.run_s == 90 * 60  # 09:00Z -> 10:30Z, then stopped
+    assert worker.last_stop == "2025-01-01T02:30:00.000-08:00"
+
+
+def test_status_cost_so_far_from_known_timestamps_and_prices(gcp, world, server, tmp_path, monkeypatch):
+    """`dtrain status`'s figures: a 1 master + 2 L4 Spot worker cluster, the master on-demand. Each node's
+    hours since its last start x its hourly price (prices.py), and the total."""
+    from dtrain.control.gcp import lifecycle
+    from dtrain.control.settings import ClusterConfig
+
+    monkeypatch.setenv("DTRAIN_GCP_COMPUTE_ENDPOINT", server.endpoint)
+    monkeypatch.setenv("DTRAIN_GCP_API_ENDPOINT", server.endpoint)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # no record of the cluster here
+    world.add_instance(ZONE, "demo-master", labels=LABELS, accelerator="nvidia-l4", gpus=1,
+                       last_start="2025-01-01T01:00:00.000-08:00")  # fmt: skip
+    world.add_instance(ZONE, "demo-worker-0", labels=LABELS, accelerator="nvidia-l4", gpus=1, spot=True,
+                       last_start="2025-01-01T02:30:00.000-08:00")  # fmt: skip
+    world.add_instance(ZONE, "demo-worker-1", labels=LABELS, accelerator="nvidia-l4", gpus=1, spot=True,
+                       last_start="2025-01-01T01:00:00.000-08:00")  # fmt: skip
+    world.instances[(ZONE, "demo-worker-1")].update(
+        status="TERMINATED", lastStopTimestamp="2025-01-01T03:00:00.000-08:00"
+    )
+    table = {"backend": "gcp", "project": "dtrain-test", "zone": ZONE, "workers": 2, "use_gpu": True, "spot": True}
+    st = lifecycle.status(ClusterConfig(backend="gcp", name="demo", spec=table), now=NOW)
+
+    g2 = 0.853624  # g2-standard-8 (1 L4), us-central1 on-demand, per hour; Spot is 0.40 of it
+    disk = 100 * 0.10 / 730  # 100 GB pd-balanced
+    rows = {r.name: r for r in st.nodes}
+    master, w0, w1 = rows["demo-master"], rows["demo-worker-0"], rows["demo-worker-1"]
+    assert (master.state, master.spot, master.node_hours) == ("RUNNING", False, 3.0)  # 09:00Z -> 12:00Z
+    assert master.usd_so_far == round(3.0 * (g2 + disk), 4) == 2.6020
+    assert (w0.state, w0.spot, w0.node_hours) == ("RUNNING", True, 1.5)  # 10:30Z -> 12:00Z
+    assert w0.usd_so_far == round(1.5 * (g2 * 0.40 + disk), 4) == 0.5327
+    assert (w1.state, w1.node_hours, w1.uptime_s) == ("STOPPED", 2.0, 0)  # 09:00Z -> 11:00Z, then stopped
+    assert w1.usd_so_far == round(2.0 * (g2 * 0.40 + disk), 4) == 0.7103
+    assert w1.usd_per_hour == round(disk, 4)  # a stopped VM bills its disk only
+    assert round(st.usd_so_far, 4) == 3.8450
+    d = st.as_dict()
+    assert d["usd_so_far"] == 3.845 and d["estimate"].startswith("estimate: us-central1")
+    assert "as of 2025-06" in st.note and "Spot" in st.note

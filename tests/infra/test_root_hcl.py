@@ -103,7 +103,8 @@ def check_gpu_scheduling(root: Module, plan: Module) -> None:
     fields = ["on_host_maintenance", "automatic_restart", "preemptible", "provisioning_model"]
     fields.append("instance_termination_action")
     for field in fields:
-        assert scheduling.get(field) == f"${{module.plan.scheduling.{field}}}", f"scheduling.{field}"
+        # each node's block for its role: the master is on-demand unless master_spot
+        assert scheduling.get(field) == f"${{module.plan.scheduling[each.value.role].{field}}}", f"scheduling.{field}"
     dynamics = {k: v for d in node["dynamic"] for k, v in d.items()}
     acc = dynamics["guest_accelerator"]
     assert acc["for_each"] == "${module.plan.guest_accelerators}"
@@ -111,11 +112,10 @@ def check_gpu_scheduling(root: Module, plan: Module) -> None:
         "type": "${guest_accelerator.value.type}",
         "count": "${guest_accelerator.value.count}",
     }
-    # The values: TERMINATE for GPU or spot nodes, SPOT with preemptible and no restart.
-    sched = plan.locals["scheduling"]
-    assert sched["on_host_maintenance"] == '${local.gpu || var.spot ? "TERMINATE" : "MIGRATE"}'
-    assert sched["provisioning_model"] == '${var.spot ? "SPOT" : "STANDARD"}'
-    assert sched["preemptible"] == "${var.spot}" and sched["automatic_restart"] == "${!var.spot}"
+    # The values (terraform test checks them: tests/spot.tftest.hcl): TERMINATE for GPU or spot nodes,
+    # SPOT with preemptible and no restart; a Spot master only with master_spot as well.
+    assert plan.locals["role_spot"] == {"master": "${var.spot && var.master_spot}", "worker": "${var.spot}"}
+    assert root.variables["master_spot"]["default"] is False
 
 
 def check_service_account(root: Module, plan: Module) -> None:
@@ -303,6 +303,12 @@ MUTATIONS = [
         "compute.tf",
         "on_host_maintenance         = module.plan",
         'on_host_maintenance         = "MIGRATE"\n    x = module.plan',
+        check_gpu_scheduling,
+    ),
+    (
+        "compute.tf",
+        "provisioning_model          = module.plan.scheduling[each.value.role]",
+        'provisioning_model          = module.plan.scheduling["worker"]',
         check_gpu_scheduling,
     ),
     (

@@ -8,6 +8,7 @@ Needs root (network namespaces; CI runs as root), Debian's slurm-wlm and munge, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -385,3 +386,54 @@ def test_a_cluster_that_grew_is_reconfigured_under_a_running_job(bed: Env) -> No
     assert row["state"] == "COMPLETED" and row["restarts"] == 0, row
     doc = bed.dtrain("doctor", "--cluster", "bed", "--mib", "1")
     assert "h2 │ slurmd │ ok" in " ".join(doc.stdout.split()), doc.stdout
+
+
+def test_a_job_whose_ranks_stop_making_progress_is_shown_stalled(bed: Env) -> None:
+    """The job's training processes are frozen (SIGSTOP) while Slurm still has it RUNNING: once its
+    metrics.jsonl has not advanced for the table's stall_after (5 s here), `dtrain jobs` says stalled, with
+    since when; node-hours are counted and the cost is "-" (no price for the user's own machines)."""
+    text = (bed.cwd / "dtrain.toml").read_text()
+    assert text.startswith("[clusters.bed]\n")
+    stall_toml = bed.cwd / "stall.toml"
+    stall_toml.write_text(text.replace("[clusters.bed]\n", '[clusters.bed]\nstall_after = "5s"\n', 1))
+    job = bed.submit("--epochs", "4", "--name", "stall")
+    row = bed.wait(job, lambda j: j["state"] == "RUNNING" and j["last_metric"].get("step"), what="a metrics line")
+    run = Path(row["url"])
+    frozen = []
+    for h in bed.sb.hosts[:2]:
+        for pid in bed.sb.bed.pids(h):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "dtrain.mnist.train" in cmd and "dtrain.common.launch" not in cmd:
+                os.kill(pid, signal.SIGSTOP)
+                frozen.append(pid)
+    assert len(frozen) == 2, frozen  # one rank on each node
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        deadline = time.monotonic() + 120
+        while True:
+            r = bed.dtrain("--config", str(stall_toml), "jobs", "--cluster", "bed", "--json")
+            assert r.returncode == 0, r.stderr
+            stalled = {j["job_id"]: j for j in json.loads(r.stdout)}[job]
+            if stalled["stalled"]:
+                break
+            assert time.monotonic() < deadline, f"not shown stalled: {stalled}"
+            time.sleep(1)
+        assert stalled["state"] == "RUNNING" and stalled["stalled_since"]
+        assert (run / "metrics.jsonl").read_text().splitlines() == lines  # nothing advanced meanwhile
+        last = json.loads(lines[-1])
+        since = time.mktime(time.strptime(stalled["stalled_since"], "%Y-%m-%dT%H:%M:%S"))
+        assert int(last["time"]) <= since + 1  # at or after its last line (the job's start, if later)
+        assert stalled["node_hours"] > 0 and stalled["usd"] is None
+        r = bed.dtrain("--config", str(stall_toml), "jobs", "--cluster", "bed")
+        assert r.returncode == 0 and f"stalled since {stalled['stalled_since'].replace('T', ' ')}" in r.stdout, r.stdout
+        # Without the 5 s table key the default is 30 minutes: the same job is not stalled.
+        assert bed.jobs()[job]["stalled"] is False
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    r = bed.dtrain("cancel", job, "--cluster", "bed")
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -44,16 +44,20 @@ locals {
 
   secure_boot = var.secure_boot != null ? var.secure_boot : !local.gpu
 
+  # The master is Spot only with master_spot: it runs the service that restarts preempted workers,
+  # and a preempted master cannot restart itself (nor them) until `dtrain up` runs again.
+  role_spot = { master = var.spot && var.master_spot, worker = var.spot }
+
   # GPU VMs cannot live-migrate, and Spot VMs must terminate on maintenance; both restart only when
   # they are standard VMs. A preempted Spot node is STOPped by default so its disk and internal IP
-  # survive for a restart.
-  scheduling = {
-    on_host_maintenance         = local.gpu || var.spot ? "TERMINATE" : "MIGRATE"
-    automatic_restart           = !var.spot
-    preemptible                 = var.spot
-    provisioning_model          = var.spot ? "SPOT" : "STANDARD"
-    instance_termination_action = var.spot ? var.spot_termination_action : null
-  }
+  # survive for a restart. One scheduling block per node role.
+  scheduling = { for role, spot in local.role_spot : role => {
+    on_host_maintenance         = local.gpu || spot ? "TERMINATE" : "MIGRATE"
+    automatic_restart           = !spot
+    preemptible                 = spot
+    provisioning_model          = spot ? "SPOT" : "STANDARD"
+    instance_termination_action = spot ? var.spot_termination_action : null
+  } }
 
   # IAP's TCP-forwarding source range (cloud.google.com/iap/docs/using-tcp-forwarding).
   iap_range         = "35.235.240.0/20"

@@ -44,7 +44,7 @@ output "secure_boot" {
 }
 
 output "scheduling" {
-  description = "Values of the instance scheduling block."
+  description = "Values of the instance scheduling block, by node role (master, worker): the master is on-demand unless master_spot."
   value       = local.scheduling
 }
 

@@ -65,6 +65,23 @@ def iap_proxy_command(gcloud: str, rec: dict[str, Any], name: str) -> str:
     )
 
 
+def node_prices(gs: Any, rec: dict[str, Any]) -> dict[str, float]:
+    """Each recorded node's estimated USD per hour (dtrain.control.gcp.prices): its machine type and
+    GPUs from the record, Spot as the table makes its role (the master on-demand unless master_spot).
+    A node whose machine type the price table lacks is left out."""
+    from dtrain.control.gcp.prices import node_price
+
+    out = {}
+    for n in rec["nodes"]:
+        price = node_price(
+            n.get("machine_type", ""), n.get("accelerator", ""), n.get("gpus", 0), gs.disk_size_gb,
+            spot=gs.node_spot(n["role"]),
+        )  # fmt: skip
+        if price.known:
+            out[n["name"]] = price.hourly
+    return out
+
+
 class Gcp:
     name = "gcp"
     provisions = True
@@ -113,9 +130,11 @@ class Gcp:
         image = check_image(gs.image, where(cfg)) if gs.image else _built_image(name)
         slurm = None
         if rec.get("slurm"):  # infra/ installed Slurm (var.slurm); `dtrain up` configured it
+            from dtrain.control.cluster import duration
             from dtrain.control.slurm.spec import SlurmSpec
 
-            slurm = SlurmSpec(login=nodes[0], managed=True)
+            stall_after = duration(gs.stall_after, "stall_after", where(cfg))
+            slurm = SlurmSpec(login=nodes[0], managed=True, stall_after=stall_after)
         return Cluster(
             name=name,
             backend="gcp",
@@ -131,6 +150,7 @@ class Gcp:
             needs_image=not any(n.get("python") for n in rec["nodes"]),
             launcher="slurm" if slurm else "ssh",
             slurm=slurm,
+            node_usd_per_hour=node_prices(gs, rec),
         )
 
     # Lifecycle: dtrain.control.gcp.lifecycle, imported when used (it pulls in the Google libraries).

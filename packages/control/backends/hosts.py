@@ -67,7 +67,17 @@ ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 NODE_KEYS = {f.name: f for f in dataclasses.fields(Node)}
 NODE_TYPES = typing.get_type_hints(Node)
 NODE_DEFAULT_KEYS = set(NODE_KEYS) - {"name", "address", "master", "ssh_host"}
-CLUSTER_KEYS = {"rdzv_port", "rdzv_timeout", "known_hosts", "env", "shared_fs", "nodes", "image", "slurm"}
+CLUSTER_KEYS = {
+    "rdzv_port",
+    "rdzv_timeout",
+    "known_hosts",
+    "env",
+    "shared_fs",
+    "nodes",
+    "image",
+    "slurm",
+    "stall_after",
+}
 HOSTS_KEYS = NODE_DEFAULT_KEYS | CLUSTER_KEYS | {"inventory"}
 
 
@@ -148,7 +158,7 @@ def _build_cluster(name: str, backend: str, spec: Mapping[str, Any], where: str,
                     f"{where}: with slurm = true every node needs the same {key}: node {other.name} has "
                     f"{getattr(other, key)!r}, the master {master.name} {getattr(master, key)!r}"
                 )
-        slurm = SlurmSpec(login=ordered[0], managed=True)
+        slurm = SlurmSpec(login=ordered[0], managed=True, **stall_option(spec, where))
     return Cluster(
         name=name,
         backend=backend,
@@ -162,6 +172,13 @@ def _build_cluster(name: str, backend: str, spec: Mapping[str, Any], where: str,
         launcher="slurm" if slurm else "ssh",
         slurm=slurm,
     )
+
+
+def stall_option(spec: Mapping[str, Any], where: str) -> dict[str, float]:
+    """The table's stall_after (a duration), as SlurmSpec's keyword; {} when it is not set."""
+    from dtrain.control.cluster import duration
+
+    return {"stall_after": duration(spec["stall_after"], "stall_after", where)} if "stall_after" in spec else {}
 
 
 def _node(i: int, raw: Mapping[str, Any], where: str, base_dir: Path) -> Node:

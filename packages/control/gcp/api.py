@@ -475,6 +475,7 @@ def preflight(
     disk_gb_total: int = 0,
     disk_type: str = "pd-balanced",
     external_ips: bool = True,
+    on_demand_instances: int = 0,
 ) -> PreflightReport:
     """Check, before `terraform apply`, that the cluster fits: the regional GPU, vCPU (the quota of
     `machine_family`), disk (`disk_type`'s), address (one per node with `external_ips`) and instance
@@ -486,7 +487,10 @@ def preflight(
 
     Spot VMs draw on PREEMPTIBLE_* quota where the project has been granted it in the region (a
     limit above 0), and on the standard quota otherwise (Compute Engine's documented rule);
-    GPUS_ALL_REGIONS counts every GPU, spot or not. Four or five API calls; no resource is created.
+    GPUS_ALL_REGIONS counts every GPU, spot or not. With `spot`, `on_demand_instances` of the
+    `instances` are standard VMs all the same (the master, unless master_spot): their share of the
+    vCPUs and GPUs is checked against the standard quota. Four or five API calls; no resource is
+    created.
     """
     if not REGION_RE.fullmatch(region):
         raise UserError(f"region {region!r} is not a Compute Engine region name (like us-central1)")
@@ -515,11 +519,24 @@ def preflight(
             report.notes.append(f"no PREEMPTIBLE_{metric} quota granted in {region}: spot VMs use {metric}")
         return metric
 
+    def check_split(metric: str, needed: int) -> None:
+        """`needed` over every instance: the Spot ones' share on the Spot metric, the rest on `metric`."""
+        chosen = spot_metric(metric)
+        on_demand = needed // max(instances, 1) * on_demand_instances if spot else 0
+        if chosen == metric or not on_demand:
+            check(chosen, needed, regional, region)
+            return
+        check(chosen, needed - on_demand, regional, region)
+        check(metric, on_demand, regional, region)
+
     def check_listed(metric: str, needed: int, what: str, spot_variant: bool = False) -> None:
         # A series' own quota that the region does not list is not taken as limit 0: that would refuse
         # a cluster on a guess. It is said, and not checked.
         if metric in regional:
-            check(spot_metric(metric) if spot_variant else metric, needed, regional, region)
+            if spot_variant:
+                check_split(metric, needed)
+            else:
+                check(metric, needed, regional, region)
         elif needed > 0:
             report.notes.append(f"{metric} is not listed for {region}: {what} quota not checked")
 
@@ -534,7 +551,7 @@ def preflight(
         if metric is None:
             report.notes.append(f"no known quota metric for {accelerator}: regional GPU quota not checked")
         else:
-            check(spot_metric(metric), gpus_total, regional, region)
+            check_split(metric, gpus_total)
         with gcp.errors("reading the project's quotas"):
             project_res = gcp.compute("ProjectsClient").get(project=gcp.project, **gcp.rpc())
         check("GPUS_ALL_REGIONS", gpus_total, {q.metric: q for q in project_res.quotas}, "global")
@@ -758,7 +775,11 @@ class NodeState:
     preempted_at: str | None = None
     created: str = ""
     last_start: str | None = None
-    uptime_s: float | None = None
+    uptime_s: float | None = None  # running: since its last start (or its creation); else None
+    last_stop: str | None = None
+    # Seconds it ran since its last start (its creation when Compute has no lastStartTimestamp): up to
+    # now while it runs, up to its last stop once stopped. What `dtrain status` prices as node-hours.
+    run_s: float = 0.0
     internal_ip: str = ""
     external_ip: str = ""
 
@@ -806,9 +827,14 @@ def node_states(
             and preempted_at is not None
             and (last_start is None or _time(preempted_at) >= _time(last_start))
         )
+        started = last_start or inst.creation_timestamp or None
+        last_stop = inst.last_stop_timestamp or None
         uptime = None
-        if inst.status == "RUNNING" and last_start:
-            uptime = max(0.0, (now - _time(last_start)).total_seconds())
+        if inst.status == "RUNNING" and started:
+            uptime = max(0.0, (now - _time(started)).total_seconds())
+        run_s = uptime or 0.0
+        if inst.status not in ("RUNNING", "STAGING", "PROVISIONING") and started and last_stop:
+            run_s = max(0.0, (_time(last_stop) - _time(started)).total_seconds())
         accs = list(inst.guest_accelerators)
         states.append(
             NodeState(
@@ -824,6 +850,8 @@ def node_states(
                 created=inst.creation_timestamp,
                 last_start=last_start,
                 uptime_s=uptime,
+                last_stop=last_stop,
+                run_s=run_s,
                 internal_ip=nic.network_i_p if nic is not None else "",
                 external_ip=external,
             )

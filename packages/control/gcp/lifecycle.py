@@ -149,6 +149,8 @@ def _quota_check(ctx: Context, derived: dict[str, Any], zone: str | None, existi
         machine_family=derived["machine_family"],
         disk_gb_total=s.disk_size_gb * new,
         external_ips=s.external_ip,
+        # the master is among the new nodes only when nothing exists yet; it is on-demand unless master_spot
+        on_demand_instances=1 if new and not existing and s.spot and not s.node_spot("master") else 0,
     )
 
 
@@ -359,14 +361,15 @@ def cost_plan(s: GcpSpec, derived: dict[str, Any], project: str, zone: str) -> C
     gpus = derived["gpus"] if s.use_gpu else 0
     rows = []
     for name in names:
-        price = node_price(derived["machine_type"], accel, gpus, s.disk_size_gb, spot=s.spot)
+        spot = s.node_spot("master" if name == names[0] else "worker")
+        price = node_price(derived["machine_type"], accel, gpus, s.disk_size_gb, spot=spot)
         rows.append(
             PlanRow(
                 name,
                 derived["machine_type"],
                 gpus,
                 accel,
-                s.spot,
+                spot,
                 s.disk_size_gb,
                 price.hourly if price.known else None,
             )
@@ -827,15 +830,17 @@ def down(
 @dataclasses.dataclass(frozen=True)
 class NodeStatus:
     name: str
-    state: str  # the instance status, PREEMPTED, or MISSING
+    state: str  # the instance status (TERMINATED as STOPPED, as the console shows it), PREEMPTED or MISSING
     machine_type: str
     gpus: int
     spot: bool
     uptime_s: int
     usd_per_hour: float
-    usd_so_far: float
+    usd_so_far: float  # node_hours x the node's hourly price: an estimate from dtrain's price table
     internal_ip: str
     external_ip: str
+    node_hours: float = 0.0  # hours it ran since its last start (to now, or to its last stop)
+    started: str = ""  # its last start (Compute's lastStartTimestamp, else creationTimestamp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -862,11 +867,16 @@ class StatusResult:
             "zone": self.zone,
             "nodes": [dataclasses.asdict(n) for n in self.nodes],
             "usd_per_hour": round(self.usd_per_hour, 4),
+            "usd_so_far": round(self.usd_so_far, 4),
+            "estimate": self.note,
         }
 
 
-def status(cfg: ClusterConfig) -> StatusResult:
-    """The cluster's nodes as the Compute API sees them now, their uptime and the cost so far."""
+def status(cfg: ClusterConfig, *, now: Any = None) -> StatusResult:
+    """The cluster's nodes as the Compute API sees them now (`now`: a datetime, for tests), their
+    uptime and the cost so far: each node's hours since its last start (up to now while it runs, up
+    to its last stop once stopped) at its hourly price from dtrain's price table (prices.py; Spot or
+    on-demand as the VM is)."""
     from dtrain.control.gcp.api import cluster_zones, node_states
     from dtrain.control.gcp.prices import estimate_note, node_price
     from dtrain.control.gcp.record import read_record
@@ -877,7 +887,7 @@ def status(cfg: ClusterConfig) -> StatusResult:
     zone = zone_of(s, rec) or next(iter(cluster_zones(ctx.api, s.region, s.name)), None)
     expected = [n["name"] for n in rec["nodes"]] if rec else []
     rows = []
-    for st in node_states(ctx.api, zone, s.name, expected=expected) if zone else ():
+    for st in node_states(ctx.api, zone, s.name, expected=expected, now=now) if zone else ():
         uptime = st.uptime_s or 0.0
         price = node_price(st.machine_type, st.accelerator, st.gpus, s.disk_size_gb, spot=st.spot)
         running = st.status in ("RUNNING", "PROVISIONING", "STAGING")
@@ -885,16 +895,18 @@ def status(cfg: ClusterConfig) -> StatusResult:
         rows.append(
             NodeStatus(
                 name=st.name,
-                state="PREEMPTED" if st.preempted else st.status,
+                state="PREEMPTED" if st.preempted else ("STOPPED" if st.status == "TERMINATED" else st.status),
                 machine_type=st.machine_type,
                 gpus=st.gpus,
                 spot=st.spot,
                 uptime_s=int(uptime),
                 usd_per_hour=round(rate, 4),
-                usd_so_far=round(price.hourly * uptime / 3600, 4),
+                usd_so_far=round(price.hourly * st.run_s / 3600, 4),
                 internal_ip=st.internal_ip,
                 external_ip=st.external_ip,
+                node_hours=round(st.run_s / 3600, 4),
+                started=st.last_start or st.created,
             )
         )
-    note = estimate_note(s.spot)
+    note = estimate_note(any(r.spot for r in rows) if rows else s.spot)
     return StatusResult(s.name, ctx.project, zone or "", tuple(rows), rec is not None, note, region=s.region)

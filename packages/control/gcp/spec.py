@@ -10,6 +10,8 @@
     accelerator = "nvidia-l4"           # default: infra/modules/plan/rules.json; or "nvidia-tesla-t4"
     gpus_per_node = 1
     spot = false
+    master_spot = false                 # with spot = true: the master is Spot too (default: on-demand)
+    stall_after = "30m"                 # a running Slurm job whose metrics have not advanced this long is stalled
     ssh_source_ranges = ["203.0.113.7/32"]   # who may SSH in (required)
     external_ip = true                  # false: internal IPs only, SSH through IAP (needs gcloud)
     os_login = "auto"                   # true / false; auto: as the organisation's policy requires
@@ -54,6 +56,9 @@ class GcpSpec:
     gpus_per_node: int = 1
     machine_type: str = ""
     spot: bool = False
+    # The master stays on-demand when the workers are Spot: a preempted master cannot restart itself
+    # or the workers (infra/'s master_spot).
+    master_spot: bool = False
     disk_size_gb: int = 100
     ssh_source_ranges: tuple[str, ...] = ()
     allow_ssh_from_anywhere: bool = False
@@ -70,6 +75,8 @@ class GcpSpec:
     state_bucket: str = ""
     ready_timeout: int = 900  # seconds `dtrain up` waits for every node to be ready
     image: str = ""  # training image (container mode); default: the last `dtrain build --cluster NAME`
+    # A running job whose metrics have not advanced for this long is stalled ("30m", "2h", "90s").
+    stall_after: str = "30m"
     # Launcher keys shared with hosts clusters
     rdzv_port: int = 29400
     rdzv_timeout: int = 120
@@ -78,6 +85,10 @@ class GcpSpec:
     @property
     def nodes(self) -> int:
         return 1 + self.workers
+
+    def node_spot(self, role: str) -> bool:
+        """Whether a node of this role ("master" or "worker") is a Spot VM (infra/modules/plan's role_spot)."""
+        return self.spot and (role != "master" or self.master_spot)
 
     def bucket_name(self, project: str) -> str:
         return self.bucket or f"{project}-dtrain-{self.name}"
@@ -181,6 +192,9 @@ def _check(s: GcpSpec, where: str) -> None:
         raise UserError(f"{where}: the label dtrain-cluster is set by dtrain (to the cluster's name)")
     if not 1 <= s.rdzv_port <= 65535:
         raise UserError(f"{where}: rdzv_port must be 1-65535, got {s.rdzv_port}")
+    from dtrain.control.cluster import duration
+
+    duration(s.stall_after, "stall_after", where)
     if s.ready_timeout < 60:
         raise UserError(f"{where}: ready_timeout must be at least 60 seconds, got {s.ready_timeout}")
 
@@ -214,6 +228,7 @@ def tfvars(
         "gpus_per_node": s.gpus_per_node,
         "machine_type": s.machine_type,
         "spot": s.spot,
+        "master_spot": s.master_spot,
         "disk_size_gb": s.disk_size_gb,
         "ssh_source_ranges": list(s.ssh_source_ranges) or ["0.0.0.0/0"],
         "allow_ssh_from_anywhere": s.allow_ssh_from_anywhere,

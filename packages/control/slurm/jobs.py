@@ -23,10 +23,12 @@ import dataclasses
 import datetime
 import json
 import queue
+import re
 import shlex
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dtrain.common.errors import ExitCode, UserError
@@ -36,7 +38,7 @@ from dtrain.control.cluster import Cluster, Node
 from dtrain.control.events import Events, Handle, Stop
 from dtrain.control.slurm.commands import SINFO_NODES, JobState, Slurm, SlurmNode, not_found, parse_nodes
 from dtrain.control.slurm.script import tar_of
-from dtrain.control.slurm.spec import MANAGED_PARTITION
+from dtrain.control.slurm.spec import MANAGED_PARTITION, STALL_AFTER_S
 from dtrain.control.ssh import SSH
 
 if TYPE_CHECKING:
@@ -83,6 +85,13 @@ class JobRow:
     record: JobRecord
     state: JobState | None  # None: Slurm no longer knows the job (no accounting kept it)
     last_metric: dict[str, Any]  # the run's last metrics.jsonl line ({} before its first)
+    node_hours: float = 0.0  # Slurm's elapsed time of the job's current (or last) start x its nodes
+    usd: float | None = None  # node_hours at the cluster's node prices (an estimate); None: no price known
+    stalled_since: float | None = None  # running, and its metrics have not advanced since (epoch seconds)
+
+    @property
+    def stalled(self) -> bool:
+        return self.stalled_since is not None
 
     def as_dict(self) -> dict[str, Any]:
         s = self.state
@@ -103,6 +112,10 @@ class JobRow:
             "run_id": self.record.run_id,
             "url": self.record.url,
             "last_metric": self.last_metric,
+            "node_hours": round(self.node_hours, 4),
+            "usd": None if self.usd is None else round(self.usd, 4),
+            "stalled": self.stalled,
+            "stalled_since": _local(self.stalled_since) if self.stalled_since is not None else "",
         }
 
 
@@ -324,22 +337,98 @@ def _partition(
 # list and cancel
 
 
-def list_jobs(cluster: Cluster, *, all_jobs: bool = False, accept_new_host_keys: bool = False) -> list[JobRow]:
+def list_jobs(
+    cluster: Cluster, *, all_jobs: bool = False, accept_new_host_keys: bool = False, now: float | None = None
+) -> list[JobRow]:
     """The jobs dtrain submitted to `cluster`, oldest first, with Slurm's view of each: every one with
-    `all_jobs`, else those still queued or running and those submitted in the last day."""
+    `all_jobs`, else those still queued or running and those submitted in the last day. Each with its
+    node-hours, their estimated cost, and whether it is stalled (`now`: epoch seconds, for tests)."""
     with Session(cluster, accept_new_host_keys=accept_new_host_keys) as s:
         records = s.records()
         if not records:
             return []
         states = s.slurm.jobs([r.job_id for r in records], since=_since(min(r.submitted for r in records)))
-        now = time.time()
+        now = time.time() if now is None else now
         shown = [
             r
             for r in records
             if all_jobs or now - r.submitted < RECENT_S or (r.job_id in states and states[r.job_id].active)
         ]
         metrics = _last_metrics(s, shown)
-        return [JobRow(r, states.get(r.job_id), metrics.get(r.run_id, {})) for r in shown]
+        return [job_row(cluster, r, states.get(r.job_id), metrics.get(r.run_id, {}), now) for r in shown]
+
+
+def stalled(cluster: Cluster, *, now: float | None = None, accept_new_host_keys: bool = False) -> list[JobRow]:
+    """The running jobs on `cluster` whose runs have logged no metrics line for the cluster's
+    stall_after (SlurmSpec.stall_after; the table's `stall_after`, default 30m). A stalled job holds
+    its nodes but does no work: idle detection (autostop) must not count it as activity."""
+    rows = list_jobs(cluster, accept_new_host_keys=accept_new_host_keys, now=now)
+    return [r for r in rows if r.stalled]
+
+
+def job_row(cluster: Cluster, rec: JobRecord, state: JobState | None, last: dict[str, Any], now: float) -> JobRow:
+    """A job's line: its node-hours and their cost at the cluster's node prices, and its stall."""
+    seconds = elapsed_seconds(state.elapsed) if state else 0
+    nodes = (state.nodes or rec.nodes) if state else 0
+    hours = seconds * nodes / 3600
+    usd = None
+    if cluster.node_usd_per_hour:
+        usd = seconds / 3600 * sum(job_node_prices(cluster.node_usd_per_hour, state.nodelist if state else "", nodes))
+    stall_after = cluster.slurm.stall_after if cluster.slurm else STALL_AFTER_S
+    since = stall_since(state, last, stall_after=stall_after, now=now)
+    return JobRow(rec, state, last, node_hours=hours, usd=usd, stalled_since=since)
+
+
+def stall_since(state: JobState | None, last: dict[str, Any], *, stall_after: float, now: float) -> float | None:
+    """When a running job's metrics last advanced, if that is `stall_after` seconds or more before `now`;
+    else None. "Advanced": the time of the run's last metrics.jsonl line, or the job's current start
+    (now - Slurm's elapsed, free of the cluster's time zone) when that is later: a job that was requeued
+    or has not logged its first line yet counts from when it started."""
+    if state is None or state.state != "RUNNING":
+        return None
+    started = now - elapsed_seconds(state.elapsed)
+    logged = last.get("time")
+    advanced = (
+        max(started, float(logged)) if isinstance(logged, (int, float)) and not isinstance(logged, bool) else started
+    )
+    return advanced if now - advanced >= stall_after else None
+
+
+def elapsed_seconds(text: str) -> int:
+    """Slurm's durations ([D-][HH:]MM:SS, as sacct's Elapsed and scontrol's RunTime print them) in
+    seconds; 0 for what is not one (empty, INVALID)."""
+    days, _, rest = text.strip().rpartition("-")
+    parts = rest.split(":")
+    if not all(p.isdigit() for p in parts) or not 2 <= len(parts) <= 3 or (days and not days.isdigit()):
+        return 0
+    h, m, s = ([0] * (3 - len(parts))) + [int(p) for p in parts]
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + s
+
+
+def job_node_prices(prices: Mapping[str, float], nodelist: str, nodes: int) -> list[float]:
+    """The hourly price of each of a job's `nodes` nodes: by name from Slurm's nodelist where the cluster
+    prices that node, and the mean of the cluster's node prices for the rest (a node Slurm names
+    otherwise, or a job that has not started)."""
+    named = [prices[n] for n in expand_nodelist(nodelist) if n in prices]
+    mean = sum(prices.values()) / len(prices)
+    return named[:nodes] + [mean] * max(0, nodes - len(named))
+
+
+def expand_nodelist(text: str) -> list[str]:
+    """Slurm's compressed host list ("demo-master,demo-worker-[0-2,5]", "n[01-03]") as names."""
+    names: list[str] = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?([^,]*)", text.strip()):
+        prefix, ranges, suffix = m.group(1), m.group(2), m.group(3)
+        if ranges is None:
+            names.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                continue
+            for i in range(int(lo), int(hi or lo) + 1):
+                names.append(f"{prefix}{str(i).zfill(len(lo))}{suffix}")
+    return names
 
 
 def _last_metrics(s: Session, records: list[JobRecord]) -> dict[str, dict[str, Any]]:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dtrain.common.errors import UserError
-from dtrain.control.cluster import Node, typed
+from dtrain.control.cluster import Node, duration, typed
 
 MANAGED_PARTITION = "dtrain"  # the one partition dtrain's own clusters have: every node
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # partition and account names
@@ -22,7 +22,9 @@ TIME_RE = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+(:\d{2}(:\d{2})?)?
 # Node features joined with & | , and counts, as sbatch --constraint takes them; no spaces or quotes.
 CONSTRAINT_RE = re.compile(r"^[A-Za-z0-9_.&|,*:\[\]()-]{1,256}$")
 # The options a [clusters.NAME] table may give for the jobs (slurm backend; hosts/gcp use the defaults).
-JOB_KEYS = ("partition", "account", "gpus_per_node", "time", "constraint", "nodes")
+JOB_KEYS = ("partition", "account", "gpus_per_node", "time", "constraint", "nodes", "stall_after")
+# A running job whose run has logged no metrics line for this long is `stalled` (docs/decisions.md).
+STALL_AFTER_S = 30 * 60.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,6 +40,9 @@ class SlurmSpec:
     # The login node's workdir is on the filesystem the compute nodes share (a user's cluster: /home). On
     # dtrain's own clusters each node has its own disk: the job's files are copied to every node.
     shared_workdir: bool = False
+    # A running job whose metrics have not advanced for this long is stalled: `dtrain jobs` says so, and
+    # autostop does not count it as activity (the table's stall_after).
+    stall_after: float = STALL_AFTER_S
 
 
 def job_options(spec: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -62,6 +67,8 @@ def job_options(spec: Mapping[str, Any], where: str) -> dict[str, Any]:
                 f"{where}: time {value!r} is not a Slurm time limit: minutes, HH:MM:SS, D-HH:MM:SS or UNLIMITED"
             )
         out["time"] = value
+    if "stall_after" in spec:
+        out["stall_after"] = duration(spec["stall_after"], "stall_after", where)
     if "constraint" in spec:
         value = typed(spec["constraint"], str, "constraint", where)
         if not CONSTRAINT_RE.match(value):

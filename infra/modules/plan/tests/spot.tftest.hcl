@@ -1,4 +1,4 @@
-# Spot scheduling.
+# Spot scheduling: workers are Spot with spot = true; the master only with master_spot as well.
 
 run "spot_gpu" {
   command = plan
@@ -6,16 +6,59 @@ run "spot_gpu" {
     spot = true
   }
   assert {
-    condition     = output.scheduling.provisioning_model == "SPOT" && output.scheduling.preemptible
-    error_message = "spot nodes need provisioning_model SPOT and preemptible = true"
+    condition     = output.scheduling.worker.provisioning_model == "SPOT" && output.scheduling.worker.preemptible
+    error_message = "spot workers need provisioning_model SPOT and preemptible = true"
   }
   assert {
-    condition     = output.scheduling.automatic_restart == false && output.scheduling.on_host_maintenance == "TERMINATE"
+    condition     = output.scheduling.worker.automatic_restart == false && output.scheduling.worker.on_host_maintenance == "TERMINATE"
     error_message = "spot nodes cannot restart automatically and must terminate on maintenance"
   }
   assert {
-    condition     = output.scheduling.instance_termination_action == "STOP"
+    condition     = output.scheduling.worker.instance_termination_action == "STOP"
     error_message = "spot termination action should default to STOP"
+  }
+}
+
+run "spot_workers_on_demand_master" {
+  command = plan
+  variables {
+    spot = true
+  }
+  assert {
+    condition     = output.scheduling.master.provisioning_model == "STANDARD" && output.scheduling.master.preemptible == false
+    error_message = "with master_spot = false (the default) the master is on-demand even when the workers are Spot"
+  }
+  assert {
+    condition     = output.scheduling.master.automatic_restart && output.scheduling.master.instance_termination_action == null
+    error_message = "an on-demand master restarts automatically and has no termination action"
+  }
+  assert {
+    condition     = output.scheduling.master.on_host_maintenance == "TERMINATE"
+    error_message = "a GPU master still terminates on host maintenance (GPU VMs cannot live-migrate)"
+  }
+}
+
+run "spot_master_when_asked" {
+  command = plan
+  variables {
+    spot        = true
+    master_spot = true
+  }
+  assert {
+    condition     = output.scheduling.master == output.scheduling.worker && output.scheduling.master.provisioning_model == "SPOT"
+    error_message = "master_spot = true makes the master Spot like the workers"
+  }
+}
+
+run "master_spot_needs_spot" {
+  command = plan
+  variables {
+    use_gpu     = false
+    master_spot = true
+  }
+  assert {
+    condition     = output.scheduling.master.provisioning_model == "STANDARD" && output.scheduling.master.on_host_maintenance == "MIGRATE"
+    error_message = "master_spot alone (spot = false) leaves every node on-demand"
   }
 }
 
@@ -27,15 +70,19 @@ run "spot_cpu_delete" {
     spot_termination_action = "DELETE"
   }
   assert {
-    condition     = output.scheduling.on_host_maintenance == "TERMINATE" && output.scheduling.instance_termination_action == "DELETE"
+    condition     = output.scheduling.worker.on_host_maintenance == "TERMINATE" && output.scheduling.worker.instance_termination_action == "DELETE"
     error_message = "spot CPU nodes terminate on maintenance and honour the termination action"
+  }
+  assert {
+    condition     = output.scheduling.master.on_host_maintenance == "MIGRATE"
+    error_message = "an on-demand CPU master live-migrates"
   }
 }
 
 run "standard_has_no_termination_action" {
   command = plan
   assert {
-    condition     = output.scheduling.instance_termination_action == null && output.scheduling.preemptible == false
+    condition     = alltrue([for s in values(output.scheduling) : s.instance_termination_action == null && s.preemptible == false])
     error_message = "standard nodes must not set instance_termination_action or preemptible"
   }
 }

@@ -10,6 +10,7 @@ accelerator_type        = "nvidia-l4"
 gpus_per_node           = 1
 machine_type            = ""
 spot                    = false
+master_spot             = false
 spot_termination_action = "STOP"
 disk_size_gb            = 100
 disk_type               = "pd-balanced"

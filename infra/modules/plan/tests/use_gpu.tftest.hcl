@@ -18,7 +18,7 @@ run "cpu_nodes" {
     error_message = "CPU nodes should boot Ubuntu 24.04 LTS, got ${output.image}"
   }
   assert {
-    condition     = output.scheduling.on_host_maintenance == "MIGRATE" && output.scheduling.automatic_restart
+    condition     = output.scheduling.worker.on_host_maintenance == "MIGRATE" && output.scheduling.worker.automatic_restart
     error_message = "standard CPU nodes can live-migrate and restart"
   }
   assert {
@@ -44,11 +44,11 @@ run "cpu_nodes_ignore_gpu_settings" {
 run "gpu_nodes_terminate_on_maintenance" {
   command = plan
   assert {
-    condition     = output.scheduling.on_host_maintenance == "TERMINATE"
+    condition     = output.scheduling.worker.on_host_maintenance == "TERMINATE"
     error_message = "GPU nodes cannot live-migrate: on_host_maintenance must be TERMINATE"
   }
   assert {
-    condition     = output.scheduling.automatic_restart && output.scheduling.provisioning_model == "STANDARD"
+    condition     = output.scheduling.worker.automatic_restart && output.scheduling.worker.provisioning_model == "STANDARD"
     error_message = "standard GPU nodes restart automatically"
   }
 }
