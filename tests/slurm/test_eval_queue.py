@@ -81,6 +81,19 @@ def test_a_queued_eval_is_a_slurm_job_that_writes_the_record(bed: Env) -> None:
     table = bed.dtrain("jobs", "--cluster", "bed", "--all")
     assert "eval:mnist" in table.stdout, table.stdout
 
+    # The same through login node h2 (a user's Slurm: the nodes Slurm picks, the job's files on the shared disk).
+    r = bed.dtrain("eval", str(run), "--cluster", "user", "--queue")
+    assert r.returncode == 0, r.stdout + r.stderr
+    other = r.stdout.strip()
+    done = bed.wait(
+        other, lambda j: j["state"] not in ("PENDING", "RUNNING", "COMPLETING"), what="its end", cluster="user"
+    )
+    assert done["state"] == "COMPLETED" and done["workload"] == "eval:mnist", done
+    record = json.loads((run / "eval" / f"{done['eval_id']}.json").read_text())
+    assert record["state"] == "completed" and record["where"] == "user", record
+    assert record["metrics"]["accuracy"] == status(run)["result"]["accuracy"]
+    assert (bed.sb.shared / "user" / "runs" / done["eval_id"] / "logs").is_dir()
+
     # Behind a training job on both nodes, an evaluation waits; cancel takes it out of the queue.
     busy = bed.submit("--epochs", "20", "--checkpoint-every", "5")
     bed.wait(busy, lambda j: j["state"] == "RUNNING", what="RUNNING")
