@@ -106,5 +106,7 @@ def test_a_queued_eval_is_a_slurm_job_that_writes_the_record(bed: Env) -> None:
     assert c.returncode == 0, c.stdout + c.stderr
     assert f"job {waiting} CANCELLED (was PENDING); evaluation {row['eval_id']} of run {run.name} stopped" in c.stdout
     assert bed.jobs()[waiting]["state"] == "CANCELLED"
+    record = json.loads((run / "eval" / f"{row['eval_id']}.json").read_text())
+    assert record["state"] == "failed" and record["error"] == "cancelled (dtrain cancel)", record
     c = bed.dtrain("cancel", busy, "--cluster", "bed")
     assert c.returncode == 0, c.stdout + c.stderr

@@ -554,6 +554,8 @@ def cancel(
         s.slurm.cancel(job_id)
         events.info(f"cancelling job {job_id} ({before.state}): its ranks checkpoint and stop")
         state = _wait_settled(s, rec, CANCEL_WAIT_S, handle)
+        if rec.eval_id and state is not None and state.settled:
+            _settle_eval(s, rec)
         checkpoint = "" if rec.eval_id else _checkpoint(s, rec)
         return CancelResult(job_id, rec.run_id, rec.url, before.state, state, checkpoint, rec.eval_id)
 
@@ -565,6 +567,28 @@ def _wait_settled(s: Session, rec: JobRecord, timeout: float, handle: Handle) ->
         if state is None or state.settled or time.monotonic() > deadline or handle.stopped:
             return state
         time.sleep(POLL_S)
+
+
+# On the login node, with the job's code (its directory there): the record of an evaluation on a path there.
+SETTLE_EVAL = (
+    "import sys; from dtrain.common.storage import open_store; from dtrain.evaluate import records; "
+    "records.mark_cancelled(open_store(sys.argv[1]), sys.argv[2])"
+)
+
+
+def _settle_eval(s: Session, rec: JobRecord) -> None:
+    """A cancelled evaluation's record: one cancelled while queued never started and still says pending
+    (one cancelled while running says failed, interrupted, itself). Best effort: the job is cancelled."""
+    with contextlib.suppress(Exception):
+        if is_remote(rec.url):
+            from dtrain.common.storage import open_store
+            from dtrain.evaluate import records
+
+            records.mark_cancelled(open_store(rec.url), rec.eval_id)
+            return
+        py, d = shlex.quote(s.login.python), shlex.quote(rec.dir)
+        args = " ".join(shlex.quote(a) for a in (SETTLE_EVAL, rec.url, rec.eval_id))
+        s.slurm.run(f'cd {d} && PYTHONPATH="$PWD/code" {py} -c {args}')
 
 
 def _checkpoint(s: Session, rec: JobRecord) -> str:
