@@ -40,6 +40,12 @@ def eval_(
     data_dir: DataDir = "",
     output: o.Output = None,
     cluster: o.Cluster = None,
+    queue: Annotated[
+        bool,
+        typer.Option(
+            "--queue", help="queue it as a one-node Slurm job on --cluster: print the job id and return at once"
+        ),
+    ] = False,
     accept_new_host_keys: o.AcceptNewHostKeys = False,
     as_json: o.Json = False,
 ) -> None:
@@ -48,7 +54,10 @@ def eval_(
     from dtrain.control.evals import EvalRequest, evaluate
 
     where = _where(run, checkpoint, data_dir, output, cluster, accept_new_host_keys)
-    request = EvalRequest(**where, prompts_file=prompts, data=data, max_new_tokens=max_new_tokens)
+    request = EvalRequest(**where, prompts_file=prompts, data=data, max_new_tokens=max_new_tokens, queue=queue)
+    if queue:
+        _queue(request, as_json)
+        return
     with console.operation() as (events, handle):
         record = evaluate(request, events=events if not as_json else _quiet(), handle=handle)
     if as_json:
@@ -59,6 +68,29 @@ def eval_(
     for item in details:
         console.out.print(item)
     console.out.print(f"kept as {record['run']}/eval/{record['id']}.json", highlight=False)
+
+
+def _queue(request: Any, as_json: bool) -> None:
+    """--queue: stdout carries the job id alone (for scripts), as `dtrain submit`'s; the rest goes to stderr."""
+    import dataclasses
+
+    from dtrain.control.evals import queue_eval
+    from dtrain.control.events import Events
+
+    events = Events(lambda ev: console.err.print(ev.message, markup=False, highlight=False) if ev.message else None)
+    with console.operation() as (_terminal, _handle):
+        q = queue_eval(request, events=events)
+    if as_json:
+        print(json.dumps(dataclasses.asdict(q)), flush=True)
+        return
+    print(q.job_id, flush=True)
+    console.err.print(
+        f"job {q.job_id} ({q.workload}) queued on cluster {q.cluster}, partition {q.partition}: it evaluates run "
+        f"{q.run_id} as {q.eval_id}, kept as {q.url}/eval/{q.eval_id}.json. Next: dtrain jobs --cluster {q.cluster}; "
+        f"dtrain logs {q.job_id} -f --cluster {q.cluster}",
+        highlight=False,
+        markup=False,
+    )
 
 
 def _where(

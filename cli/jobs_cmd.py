@@ -158,6 +158,12 @@ def cancel(job: Job, cluster: o.Cluster = None, accept_new_host_keys: o.AcceptNe
     with console.operation() as (events, handle):
         r = cancel_job(c, job, events=events, handle=handle, accept_new_host_keys=accept_new_host_keys)
     state = r.state.state if r.state else "UNKNOWN"
+    if r.eval_id:
+        console.out.print(
+            f"job {r.job_id} {state} (was {r.was}); evaluation {r.eval_id} of run {r.run_id} stopped ({r.url})",
+            highlight=False,
+        )
+        return
     kept = f"its last checkpoint {r.checkpoint} is kept" if r.checkpoint else "it had no checkpoint yet"
     console.out.print(f"job {r.job_id} {state} (was {r.was}); run {r.run_id}: {kept} ({r.url})", highlight=False)
 

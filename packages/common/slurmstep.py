@@ -350,7 +350,10 @@ def _heartbeat(name: str, done: threading.Event) -> None:
 
 
 def _keep_log(job: dict[str, Any], path: Path) -> None:
-    """A copy of this node's log under the run (logs/<node>.log), so that `dtrain logs RUN` has it."""
+    """A copy of this node's log under the run (logs/<node>.log), so that `dtrain logs RUN` has it; not for
+    a job that only reads the run (an evaluation: keep_log false), whose log would replace the training's."""
+    if job.get("keep_log") is False:
+        return
     with contextlib.suppress(Exception):
         from dtrain.common.storage import open_store
 

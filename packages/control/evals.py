@@ -60,6 +60,7 @@ class EvalRequest(RunRequest):
     prompts_file: str = ""  # LoRA: a file (or gs:// object) of prompts, one a line
     data: str = ""  # LoRA: the text to take held-out blocks from, if not the run's --data
     max_new_tokens: int = 0  # LoRA: tokens sampled per continuation (0: the module's default)
+    queue: bool = False  # a Slurm job on the cluster (submit_eval) instead of a process on its master
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -135,6 +136,8 @@ def plan_eval(req: EvalRequest) -> EvalPlan:
     """Check the request without running anything (the run, its workload, the checkpoint, the prompts),
     pick the evaluation's id and record it as pending under the run."""
     target = resolve(req)
+    if req.queue:
+        need_slurm(target)
     if target.workload not in WORKLOADS:
         known = ", ".join(WORKLOADS)
         raise UserError(f"run {target.run.url} is a {target.workload} run: dtrain eval knows {known} runs")
@@ -192,6 +195,66 @@ def evaluate(req: EvalRequest, *, events: Events, handle: Handle) -> dict[str, A
     plan = plan_eval(req)
     events.emit("launch", f"evaluating {plan.target.run.url} as {plan.eval_id}", eval_id=plan.eval_id)
     return run_eval(plan, events=events, handle=handle)
+
+
+def need_slurm(target: Target) -> None:
+    """--queue: the evaluation becomes a job in the cluster's Slurm queue, so there must be one."""
+    if target.cluster is None:
+        raise UserError("--queue queues the evaluation as a Slurm job on a cluster: name it with --cluster NAME")
+    if target.cluster.slurm is None:
+        raise UserError(
+            f"--queue needs a Slurm cluster: cluster {target.cluster.name!r} has no Slurm (leave out --queue to "
+            "evaluate on its master)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class QueuedEval:
+    eval_id: str
+    job_id: str
+    cluster: str
+    partition: str
+    run_id: str
+    url: str  # the run's; the record will be <url>/eval/<eval_id>.json
+    workload: str  # the job's: eval:<the run's workload>
+
+
+def submit_eval(plan: EvalPlan, *, events: Events) -> QueuedEval:
+    """Queue the planned evaluation as a one-node Slurm job on its cluster (plan_eval with queue=True) and
+    return at once with the job id: the job runs the same `python -m dtrain.evaluate eval ...` line as
+    run_eval does on the master, so it writes the same record. The job's files are in
+    <workdir>/runs/<eval id> on the nodes; `dtrain jobs` shows it as eval:<workload> of the run."""
+    from dtrain.control.slurm.jobs import submit_module
+
+    target = plan.target
+    need_slurm(target)
+    assert target.cluster is not None
+    workload = f"eval:{target.workload}"
+    run_id = target.run.url.rstrip("/").rsplit("/", 1)[-1]
+    try:
+        sub = submit_module(
+            target.cluster,
+            module=MODULE,
+            argv=plan.argv,
+            label=plan.eval_id,
+            workload=workload,
+            run_id=run_id,
+            url=target.run.url,
+            eval_id=plan.eval_id,
+            accept_new_host_keys=target.accept_new_host_keys,
+            events=events,
+        )
+    except UserError as e:  # never queued: say so in the record too
+        record = records.read_record(target.run, plan.eval_id) or {}
+        records.write_record(target.run, plan.eval_id, {**record, "state": "failed", "error": str(e)})
+        raise
+    # The record is the job's from now on (it may be running already): the job table links the two.
+    return QueuedEval(plan.eval_id, sub.job_id, sub.cluster, sub.partition, run_id, target.run.url, workload)
+
+
+def queue_eval(req: EvalRequest, *, events: Events) -> QueuedEval:
+    """plan_eval, then submit_eval: `dtrain eval --queue`."""
+    return submit_eval(plan_eval(dataclasses.replace(req, queue=True)), events=events)
 
 
 def list_evals(output: str, run_ref: str) -> list[dict[str, Any]]:

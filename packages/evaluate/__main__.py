@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -158,6 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # transformers warns about its own renamed attributes when peft touches them (as in dtrain.lora.train).
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     args = parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (scancel of a queued evaluation, a stop from `dtrain eval`) ends it as Ctrl-C does: its
+        # record says failed, interrupted, instead of running forever.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if args.checkpoint is not None and args.checkpoint < 0:
             raise UserError(f"--checkpoint {args.checkpoint}: a step is a whole number >= 0")

@@ -55,6 +55,14 @@ def read_record(run: Store, eval_id: str) -> dict[str, Any] | None:
     return read_json(run, eval_name(eval_id))
 
 
+def mark_cancelled(run: Store, eval_id: str) -> None:
+    """A queued evaluation's job was cancelled: its record, if it still says pending or running (the job
+    never started, or was killed before it could say so), says failed."""
+    record = read_record(run, eval_id) or {}
+    if record.get("state") in ("pending", "running"):
+        write_record(run, eval_id, {**record, "state": "failed", "error": "cancelled (dtrain cancel)"})
+
+
 def list_records(run: Store) -> list[dict[str, Any]]:
     """Every evaluation of the run, newest first; a record that does not parse is listed as such."""
     out = []

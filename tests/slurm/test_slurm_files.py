@@ -137,6 +137,34 @@ def test_a_node_fills_in_the_allocation(tmp_path: Path, image: str) -> None:
     assert set(user["specs"]) == {"*"}  # a user's cluster: nodes Slurm picks, one spec for all
 
 
+def test_a_module_job_runs_one_process_and_keeps_its_log(tmp_path: Path) -> None:
+    """dtrain eval --queue's job: one node, `python -m dtrain.evaluate eval ...` through the node agent (no
+    torchrun), the same line on a requeue; its node log is not copied over the run's training logs."""
+    argv = ["eval", "/shared/runs/mnist-x", "--eval-id", "eval-20261124-040000-abcd"]
+    for managed, keys in ((True, {"n0", "n1"}), (False, {"*"})):
+        f = script.module_files(
+            cluster(tmp_path, managed=managed), module="dtrain.evaluate", argv=argv, label="eval-20261124-040000-abcd",
+            workload="eval:mnist", run_id="mnist-x", run_url="/shared/runs/mnist-x",
+            job_dir="/w/runs/eval-20261124-040000-abcd", gpus_per_node=1,
+        )  # fmt: skip
+        assert set(f.job["specs"]) == keys and f.job["keep_log"] is False
+        values = {t: "1" for t in slurmstep.TOKENS}
+        for mode in ("argv_new", "argv_resume"):
+            spec = slurmstep.fill(next(iter(f.job["specs"].values())), values, f.job[mode])
+            assert spec["argv"] == ["/opt/py/bin/python", "-m", "dtrain.evaluate", *argv]
+        assert "--nodes=1" in f.script and "--job-name=eval:mnist" in f.script
+    log = tmp_path / "logs" / "n0.log"
+    log.parent.mkdir()
+    log.write_text("evaluating\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    slurmstep._keep_log({"run_url": str(run), "keep_log": False}, log)
+    assert not (run / "logs").exists()
+    slurmstep._keep_log({"run_url": str(run)}, log)  # a training job's: kept under the run
+    assert (run / "logs" / "n0.log").read_text() == "evaluating\n"
+
+
 def test_slurm_conf_from_probed_nodes(tmp_path: Path) -> None:
     c = cluster(tmp_path, managed=True)
     hw = {"CPUs": "8", "Boards": "1", "SocketsPerBoard": "1", "CoresPerSocket": "4", "ThreadsPerCore": "2",

@@ -37,7 +37,7 @@ from dtrain.common.storage import is_remote
 from dtrain.control.cluster import Cluster, Node
 from dtrain.control.events import Events, Handle, Stop
 from dtrain.control.slurm.commands import SINFO_NODES, JobState, Slurm, SlurmNode, not_found, parse_nodes
-from dtrain.control.slurm.script import tar_of
+from dtrain.control.slurm.script import JobFiles, tar_of
 from dtrain.control.slurm.spec import MANAGED_PARTITION, STALL_AFTER_S
 from dtrain.control.ssh import SSH
 
@@ -72,10 +72,11 @@ class JobRecord:
     nodes: int
     submitted: float  # epoch seconds, this machine's clock
     cluster: str
+    eval_id: str = ""  # an evaluation of the run (dtrain eval --queue): it writes <url>/eval/<eval_id>.json
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobRecord:
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +112,7 @@ class JobRow:
             "restarts": s.restarts if s else 0,
             "run_id": self.record.run_id,
             "url": self.record.url,
+            "eval_id": self.record.eval_id,
             "last_metric": self.last_metric,
             "node_hours": round(self.node_hours, 4),
             "usd": None if self.usd is None else round(self.usd, 4),
@@ -229,21 +231,13 @@ def _submit(
     and the workdir; the files, to each node at once; sbatch with the job table's entry)."""
     from dtrain.common.config import to_argv
     from dtrain.control.local import processes, run_target
-    from dtrain.control.remote import code_archive, node_paths
+    from dtrain.control.remote import node_paths
     from dtrain.control.slurm.script import job_files
 
     cluster, spec, workload = s.cluster, s.spec, req.workload
     nodes = nodes or spec.nodes or (len(cluster.nodes) if spec.managed else 1)
-    w = shlex.quote(s.login.workdir)
-    try:
-        survey = s.slurm.run(f"mkdir -p {w} && cd {w} && pwd && echo @@ && {SINFO_NODES}")
-    except UserError as e:
-        if not spec.managed or "has no `" in str(e):
-            raise
-        raise UserError(f"{e}: is Slurm set up there? run dtrain slurm setup --cluster {cluster.name}") from None
-    s.workdir_is(survey.split("@@", 1)[0].strip())
-    partition, members = _partition(s, *parse_nodes(survey.split("@@", 1)[1]), nodes, events)
-    gpus = spec.gpus_per_node or (min(n.gpus for n in members) if spec.managed else 0)
+    partition, members = _survey(s, nodes, events)
+    gpus = _gpus(s, members)
     nproc = r.settings.launch.nproc
     if nproc:  # checked against the partition's smallest node; auto is worked out on each node
         cpus = min(n.cpus for n in members)
@@ -278,6 +272,39 @@ def _submit(
         paths=node_paths(args, run.url),
         debug=req.debug,
     )
+    rec = _queue(s, JobRecord("", name, workload, run_id, run.url, job_dir, nodes, time.time(), cluster.name), files)
+    result = SubmitResult(
+        rec.job_id, name, workload, run_id, run.url, cluster.name, nodes, partition, resuming=r.resumed is not None
+    )
+    return result, rec
+
+
+def _survey(s: Session, nodes: int, events: Events) -> tuple[str, list[SlurmNode]]:
+    """One round trip: the login node's workdir (made, and remembered by the session) and Slurm's nodes;
+    the job's partition and its nodes (see _partition)."""
+    w = shlex.quote(s.login.workdir)
+    try:
+        survey = s.slurm.run(f"mkdir -p {w} && cd {w} && pwd && echo @@ && {SINFO_NODES}")
+    except UserError as e:
+        if not s.spec.managed or "has no `" in str(e):
+            raise
+        raise UserError(f"{e}: is Slurm set up there? run dtrain slurm setup --cluster {s.cluster.name}") from None
+    s.workdir_is(survey.split("@@", 1)[0].strip())
+    return _partition(s, *parse_nodes(survey.split("@@", 1)[1]), nodes, events)
+
+
+def _gpus(s: Session, members: list[SlurmNode]) -> int:
+    """GPUs a job asks of each node: the table's gpus_per_node, else all of the partition's smallest node
+    on dtrain's own clusters, else none (a user's Slurm: its table says)."""
+    return s.spec.gpus_per_node or (min(n.gpus for n in members) if s.spec.managed else 0)
+
+
+def _queue(s: Session, rec: JobRecord, files: JobFiles) -> JobRecord:
+    """Ship a job's files to rec.dir where its nodes read them (dtrain's code, job.json, the batch script),
+    then sbatch it with its job-table entry; the record with the job id Slurm gave it. Two round trips (the
+    files to each node at once; sbatch with the entry)."""
+    from dtrain.control.remote import code_archive
+
     archive, _digest = code_archive()
     bundle = tar_of(
         {
@@ -286,18 +313,52 @@ def _submit(
             "slurm.sh": (files.script.encode(), 0o755),
         }
     )
-    d = shlex.quote(job_dir)
+    d = shlex.quote(rec.dir)
     unpack = f"mkdir -p {d}/code && cd {d} && umask 077 && tar -xf - && tar -xzf code.tar.gz -C code && rm code.tar.gz"
     s.ssh.each(lambda node: s.ssh.run(node, unpack, input=bundle, timeout=120), s.file_nodes)
-    rec = JobRecord("", name, workload, run_id, run.url, job_dir, nodes, time.time(), cluster.name)
     fields = {k: v for k, v in dataclasses.asdict(rec).items() if k != "job_id"}
     job_id = s.slurm.sbatch(
-        f"{job_dir}/slurm.sh", job_dir, json.dumps(fields)[:-1].encode() + b', "job_id": "', f"{s.workdir}/{JOBS_DIR}"
+        f"{rec.dir}/slurm.sh", rec.dir, json.dumps(fields)[:-1].encode() + b', "job_id": "', f"{s.workdir}/{JOBS_DIR}"
     )
-    result = SubmitResult(
-        job_id, name, workload, run_id, run.url, cluster.name, nodes, partition, resuming=r.resumed is not None
-    )
-    return result, dataclasses.replace(rec, job_id=job_id)
+    return dataclasses.replace(rec, job_id=job_id)
+
+
+def submit_module(
+    cluster: Cluster,
+    *,
+    module: str,
+    argv: list[str],
+    label: str,
+    workload: str,
+    run_id: str,
+    url: str,
+    eval_id: str = "",
+    accept_new_host_keys: bool = False,
+    events: Events,
+) -> SubmitResult:
+    """Queue `python -m MODULE ARGV` as a one-node, one-process job (an evaluation: dtrain.evaluate) and
+    return at once with the job id. Its files go to <workdir>/runs/<label>, not the run's own job
+    directory; its job-table entry names the run it works on (`run_id`, `url`) and `workload`
+    (`eval:mnist`), and `eval_id` the evaluation it writes under the run."""
+    from dtrain.control.slurm.script import module_files
+
+    with Session(cluster, accept_new_host_keys=accept_new_host_keys) as s:
+        partition, members = _survey(s, 1, events)
+        job_dir = f"{s.workdir}/runs/{label}"
+        files = module_files(
+            s.cluster,
+            module=module,
+            argv=argv,
+            label=label,
+            workload=workload,
+            run_id=run_id,
+            run_url=url,
+            job_dir=job_dir,
+            gpus_per_node=_gpus(s, members),
+        )
+        rec = JobRecord("", workload, workload, run_id, url, job_dir, 1, time.time(), cluster.name, eval_id=eval_id)
+        rec = _queue(s, rec, files)
+    return SubmitResult(rec.job_id, rec.name, workload, run_id, url, cluster.name, 1, partition, resuming=False)
 
 
 def _partition(
@@ -354,8 +415,11 @@ def list_jobs(
             for r in records
             if all_jobs or now - r.submitted < RECENT_S or (r.job_id in states and states[r.job_id].active)
         ]
-        metrics = _last_metrics(s, shown)
-        return [job_row(cluster, r, states.get(r.job_id), metrics.get(r.run_id, {}), now) for r in shown]
+        metrics = _last_metrics(s, [r for r in shown if not r.eval_id])  # an evaluation logs no metrics
+        rows = []
+        for r in shown:
+            rows.append(job_row(cluster, r, states.get(r.job_id), {} if r.eval_id else metrics.get(r.run_id, {}), now))
+        return rows
 
 
 def stalled(cluster: Cluster, *, now: float | None = None, accept_new_host_keys: bool = False) -> list[JobRow]:
@@ -375,7 +439,8 @@ def job_row(cluster: Cluster, rec: JobRecord, state: JobState | None, last: dict
     if cluster.node_usd_per_hour:
         usd = seconds / 3600 * sum(job_node_prices(cluster.node_usd_per_hour, state.nodelist if state else "", nodes))
     stall_after = cluster.slurm.stall_after if cluster.slurm else STALL_AFTER_S
-    since = stall_since(state, last, stall_after=stall_after, now=now)
+    # An evaluation logs no metrics while it works: it is never "stalled" for want of them.
+    since = None if rec.eval_id else stall_since(state, last, stall_after=stall_after, now=now)
     return JobRow(rec, state, last, node_hours=hours, usd=usd, stalled_since=since)
 
 
@@ -471,7 +536,8 @@ class CancelResult:
     url: str
     was: str  # Slurm's state when cancelled (PENDING, RUNNING)
     state: JobState | None  # after: CANCELLED once the ranks have checkpointed and stopped
-    checkpoint: str  # the run's last complete checkpoint (step-XXXXXXXX), "" if none
+    checkpoint: str  # the run's last complete checkpoint (step-XXXXXXXX), "" if none (or an evaluation's job)
+    eval_id: str = ""  # the job evaluated the run (dtrain eval --queue): this evaluation was stopped
 
 
 def cancel(
@@ -488,7 +554,10 @@ def cancel(
         s.slurm.cancel(job_id)
         events.info(f"cancelling job {job_id} ({before.state}): its ranks checkpoint and stop")
         state = _wait_settled(s, rec, CANCEL_WAIT_S, handle)
-        return CancelResult(job_id, rec.run_id, rec.url, before.state, state, _checkpoint(s, rec))
+        if rec.eval_id and state is not None and state.settled:
+            _settle_eval(s, rec)
+        checkpoint = "" if rec.eval_id else _checkpoint(s, rec)
+        return CancelResult(job_id, rec.run_id, rec.url, before.state, state, checkpoint, rec.eval_id)
 
 
 def _wait_settled(s: Session, rec: JobRecord, timeout: float, handle: Handle) -> JobState | None:
@@ -498,6 +567,28 @@ def _wait_settled(s: Session, rec: JobRecord, timeout: float, handle: Handle) ->
         if state is None or state.settled or time.monotonic() > deadline or handle.stopped:
             return state
         time.sleep(POLL_S)
+
+
+# On the login node, with the job's code (its directory there): the record of an evaluation on a path there.
+SETTLE_EVAL = (
+    "import sys; from dtrain.common.storage import open_store; from dtrain.evaluate import records; "
+    "records.mark_cancelled(open_store(sys.argv[1]), sys.argv[2])"
+)
+
+
+def _settle_eval(s: Session, rec: JobRecord) -> None:
+    """A cancelled evaluation's record: one cancelled while queued never started and still says pending
+    (one cancelled while running says failed, interrupted, itself). Best effort: the job is cancelled."""
+    with contextlib.suppress(Exception):
+        if is_remote(rec.url):
+            from dtrain.common.storage import open_store
+            from dtrain.evaluate import records
+
+            records.mark_cancelled(open_store(rec.url), rec.eval_id)
+            return
+        py, d = shlex.quote(s.login.python), shlex.quote(rec.dir)
+        args = " ".join(shlex.quote(a) for a in (SETTLE_EVAL, rec.url, rec.eval_id))
+        s.slurm.run(f'cd {d} && PYTHONPATH="$PWD/code" {py} -c {args}')
 
 
 def _checkpoint(s: Session, rec: JobRecord) -> str:
@@ -770,4 +861,15 @@ def _exit_code(state: JobState | None, stops: list[Stop]) -> int:
     return code if code in (int(ExitCode.USAGE), int(ExitCode.PREEMPTED)) else int(ExitCode.FAILURE)
 
 
-__all__ = ["submit", "list_jobs", "cancel", "job_logs", "follow_logs", "run_job", "Session", "JobRecord", "JobRow"]
+__all__ = [
+    "submit",
+    "submit_module",
+    "list_jobs",
+    "cancel",
+    "job_logs",
+    "follow_logs",
+    "run_job",
+    "Session",
+    "JobRecord",
+    "JobRow",
+]

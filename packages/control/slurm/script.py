@@ -115,6 +115,52 @@ def job_files(
     return JobFiles(script=batch_script(cluster, job, nodes=nodes, gpus_per_node=gpus_per_node), job=job)
 
 
+def module_files(
+    cluster: Cluster,
+    *,
+    module: str,
+    argv: list[str],
+    label: str,
+    workload: str,
+    run_id: str,
+    run_url: str,
+    job_dir: str,
+    gpus_per_node: int,
+) -> JobFiles:
+    """The batch script and job.json of a one-node job that runs `python -m MODULE ARGV` as one process
+    through the node agent, as dtrain.control.evals runs it on a cluster's master (no torchrun). The same
+    batch step; a requeued job runs the same line again. Its node log stays in the job's directory
+    (`keep_log`): the run's logs/ are its training's."""
+    assert cluster.slurm is not None and not cluster.image
+    s = cluster.slurm
+    common = {"module": module, "run_id": label, "gpus": gpus_per_node, "paths": {}, "debug": False}
+    nodes = {n.name: n for n in cluster.nodes} if s.managed else {"*": s.login}
+    specs = {}
+    for key, node in nodes.items():
+        spec = node_template(cluster, node, **common)
+        spec["argv"] = [node.python, "-m", module, ARGS_TOKEN]
+        specs[key] = spec
+    job = {
+        "version": 1,
+        "workload": workload,
+        "run_id": run_id,
+        "run_url": run_url,
+        "name": workload,
+        "python": s.login.python,
+        "dir": job_dir,
+        "image": "",
+        "resume": False,
+        "argv_new": list(argv),
+        "argv_resume": list(argv),
+        "specs": specs,
+        "nproc": 1,
+        "oversubscribe": False,
+        "interactive": False,
+        "keep_log": False,
+    }
+    return JobFiles(script=batch_script(cluster, job, nodes=1, gpus_per_node=gpus_per_node), job=job)
+
+
 def batch_script(cluster: Cluster, job: dict[str, Any], *, nodes: int, gpus_per_node: int) -> str:
     """The sbatch script: whole nodes, one task each, requeued after a node failure; the job's output
     appended to slurm-<job id>.out in its directory; then the batch step (dtrain.common.slurmstep)."""
