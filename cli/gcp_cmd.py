@@ -124,6 +124,18 @@ def status(cluster: o.Cluster = None, json_out: o.Json = False) -> None:
     console.out.print(table)
     console.out.print(f"now ${st.usd_per_hour:.2f}/hour; ${st.usd_so_far:.2f} since the running nodes last started")
     console.out.print(f"[dim]{st.note}[/]")
+    if any(r.state == "RUNNING" for r in st.nodes[:1]):  # the service runs on the master
+        _service(cfg, backend)
+
+
+def _service(cfg: Any, backend: Any) -> None:
+    """The cluster service's section (docs/service.md), when the nodes can be reached."""
+    import contextlib
+
+    from dtrain.cli.jobs_cmd import print_service
+
+    with contextlib.suppress(Exception):
+        print_service(backend.cluster(cfg))
 
 
 def _duration(seconds: int) -> str:

@@ -244,6 +244,7 @@ class ComputeWorld:
         # and what the test does when an instance starts (revive its test-bed host).
         self.start_refusals: dict[str | None, int] = {}
         self.on_start: Any = None  # fn(zone, name), called in a thread of its own once the start is done
+        self.on_stop: Any = None  # fn(zone, name), the same once a stop is done (the test crashes the host)
         self.status_failures = 0  # instances list/get answered with a 500 this many times
 
     # -- links
@@ -531,6 +532,8 @@ class ComputeWorld:
         def action() -> str | None:
             inst["status"] = "TERMINATED"
             inst["lastStopTimestamp"] = now_rfc3339()
+            if self.on_stop is not None:
+                threading.Thread(target=self.on_stop, args=(zone, name), daemon=True).start()
             return None
 
         return self._instance_op(zone, "stop", inst, action, "")

@@ -70,6 +70,10 @@ class GcpSpec:
     state_bucket: str = ""
     ready_timeout: int = 900  # seconds `dtrain up` waits for every node to be ready
     image: str = ""  # training image (container mode); default: the last `dtrain build --cluster NAME`
+    # The cluster service (docs/service.md): stop the cluster after this long idle ("30m", "90s", "2h";
+    # "off" or "0": never); "stop" keeps the disks, "delete" deletes the VMs (bucket and state kept).
+    autostop: str = "60m"
+    autostop_action: str = "stop"
     # Launcher keys shared with hosts clusters
     rdzv_port: int = 29400
     rdzv_timeout: int = 120
@@ -146,6 +150,10 @@ def _check(s: GcpSpec, where: str) -> None:
         raise UserError(f"{where}: region {s.region!r} is not a region name like us-central1")
     if s.zone and (not ZONE_RE.match(s.zone) or not s.zone.startswith(s.region + "-")):
         raise UserError(f"{where}: zone {s.zone!r} is not a zone of region {s.region} (like {s.region}-a)")
+    if s.autostop_action not in ("stop", "delete"):
+        raise UserError(f'{where}: autostop_action must be "stop" or "delete", got {s.autostop_action!r}')
+    if not re.fullmatch(r"off|0|\d+(\.\d+)?[smhd]?", s.autostop.strip().lower()):
+        raise UserError(f'{where}: autostop must be a duration like "30m", "90s", "2h", or "off", got {s.autostop!r}')
     lo, hi = rules.limits("worker_count")
     if not lo <= s.workers <= hi:
         raise UserError(f"{where}: workers must be {lo}-{hi}, got {s.workers}")
