@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -147,9 +148,49 @@ def test_no_capacity_waits_says_so_and_the_job_completes(bed: Env, short_backoff
     assert status(run)["result"]["steps"] == 31
 
 
+def _gcp_bed(bed: Env, endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Cluster `bed` as dtrain's gcp backend sees it after `dtrain up`: a config file with its [clusters.bed]
+    gcp table, and the record, key and known_hosts under the bed's XDG config (the record names h0 and h1 at
+    their bed addresses, with this Python on the nodes). The Compute fake at `endpoint`; the startup
+    script's ready file here. The config file's path."""
+    import shutil
+
+    from dtrain.control.gcp import lifecycle
+    from dtrain.control.gcp.record import cluster_dir, key_path, write_record
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(bed.cwd / "config"))
+    for name in ("DTRAIN_GCP_COMPUTE_ENDPOINT", "DTRAIN_GCP_API_ENDPOINT"):
+        monkeypatch.setenv(name, endpoint)
+    monkeypatch.setenv("NO_GCE_CHECK", "True")
+    ready = tmp_path / "ready"
+    ready.write_text('{"ok": true}')
+    monkeypatch.setattr(lifecycle, "READY_FILE", str(ready))
+    sb = bed.sb
+    nodes = [{"name": h, "role": "master" if h == "h0" else "worker", "internal_ip": sb.host(h).address,
+              "external_ip": sb.host(h).address, "gpus": 0, "python": sys.executable, "workdir": WORKDIR}
+             for h in ("h0", "h1")]  # fmt: skip
+    write_record({"name": "bed", "backend": "gcp", "project": PROJECT, "region": "us-central1", "zone": ZONE,
+                  "bucket": "gs://dtrain-test-bed", "ssh_user": "root", "slurm": True, "nodes": nodes})  # fmt: skip
+    shutil.copy(sb.bed.key, key_path("bed"))
+    key_path("bed").chmod(0o600)
+    shutil.copy(sb.known_hosts, cluster_dir("bed") / "known_hosts")
+    config = tmp_path / "gcp.toml"
+    config.write_text(
+        '[clusters.bed]\nbackend = "gcp"\nproject = "dtrain-test"\nregion = "us-central1"\n'
+        'zone = "us-central1-a"\nssh_source_ranges = ["10.0.0.0/8"]\n'
+    )
+    return config
+
+
 @pytest.mark.slow
-def test_autostop_stops_the_workers_then_the_master_and_start_cluster_brings_it_back(bed: Env) -> None:
-    from dtrain.control.gcp.instances import start_cluster
+def test_autostop_stops_the_workers_then_the_master_and_submit_starts_them_again(
+    bed: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Idle for 3 s: h1 is stopped, then h0 (the last call). Then a job submitted to the gcp cluster starts
+    both again (the master first), waits for them, and runs: `dtrain submit`'s function, called here so
+    that the startup script's ready file can be put where this machine's other tests do not look."""
+    from dtrain.control.launch import LaunchRequest
+    from dtrain.control.slurm.jobs import submit
 
     sb = bed.sb
     with Cloud(bed, autostop="3s") as cloud:
@@ -160,15 +201,18 @@ def test_autostop_stops_the_workers_then_the_master_and_start_cluster_brings_it_
         assert stops == ["h1", "h0"]  # the workers first, the master's stop the last call
         assert {cloud.world.instances[(ZONE, h)]["status"] for h in ("h0", "h1")} == {"TERMINATED"}
         deadline = time.monotonic() + 30
-        while sb.bed.pids(sb.host("h0")):  # the fake's hook takes the machines down
+        while sb.bed.pids(sb.host("h0")) or sb.bed.pids(sb.host("h1")):  # the fake's hook takes them down
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        started = start_cluster(cloud.gcp, ZONE, "bed", ["h0", "h1"], events=Collector(), handle=Handle())
-        assert started.started == ("h0", "h1")
-        deadline = time.monotonic() + 120
-        while not (sb.bed.pids(sb.host("h0")) and sb.bed.pids(sb.host("h1"))):
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        job = bed.submit("--epochs", "1", "--train-split", "train[:2000]")
-        row = bed.wait(job, lambda j: j["state"] == "COMPLETED", what="COMPLETED after the restart")
-        assert status(Path(row["url"]))["result"]["world_size"] == 2
+        config = _gcp_bed(bed, cloud.server.endpoint, tmp_path, monkeypatch)
+        flags = {"run.cluster": "bed", "run.output": str(bed.runs), "run.nproc": 1, "mnist.dataset": "fashion-mnist",
+                 "mnist.epochs": 1, "mnist.train_split": "train[:2000]"}  # fmt: skip
+        events = Collector()
+        r = submit(LaunchRequest(workload="mnist", flags=flags, config_path=config), nodes=1, events=events,
+                   handle=Handle())  # fmt: skip
+        starts = [p.split("/")[-2] for m, p, _ in cloud.world.requests if m == "POST" and p.endswith("/start")]
+        assert starts == ["h0", "h1"], starts  # the master first
+        assert any("cluster bed is stopped (h0, h1): starting it" in e.message for e in events.events)
+        row = bed.wait(r.job_id, lambda j: j["state"] == "COMPLETED", what="COMPLETED after the restart")
+        result = status(Path(row["url"]))["result"]
+        assert result["world_size"] == 1 and result["accuracy"] >= 0.5, result
