@@ -211,7 +211,10 @@ def _autostop(state: State, seen: Seen, now: float, actions: list[Action]) -> No
     state.autostop_at = state.idle_since + state.autostop_s
     if now >= state.autostop_at:
         kind = "delete" if state.autostop_action == "delete" else "stop"
-        running = [w for w in state.workers if (seen.vms or {}).get(w) and seen.vms[w].status != "MISSING"]
+        vms = seen.vms or {}
+        # Workers already stopped (or gone) need no call; a stopped one is still deleted by "delete".
+        skip = ("MISSING",) if kind == "delete" else ("MISSING", "TERMINATED", "STOPPED")
+        running = [w for w in state.workers if w in vms and vms[w].status not in skip]
         actions.extend(Action(kind, w) for w in running)
         actions.append(Action(kind, state.master))  # last: the service runs on it
         state.stopping = True

@@ -166,6 +166,16 @@ def test_autostop_stops_workers_then_the_master(gcp, world, cluster):
     assert len(stops) == len([p for m, p, _ in world.requests if m == "POST" and p.endswith("/stop")])
 
 
+def test_autostop_skips_a_worker_already_stopped(gcp, world, cluster):
+    work, _ = cluster
+    world.add_instance(ZONE, "demo-worker-1", labels=LABELS, status="TERMINATED", internal_ip="10.0.0.4")
+    cfg_workers = [WORKER, "demo-worker-1"]
+    svc = service(gcp, work, FakeMaster(), autostop="5s")
+    svc.cfg.workers = svc.state.workers = cfg_workers
+    svc.step(now=0.0)
+    assert [(a.kind, a.node) for a in svc.step(now=5.0)] == [("stop", WORKER), ("stop", MASTER)]
+
+
 def test_autostop_delete(gcp, world, cluster):
     work, _ = cluster
     svc = service(gcp, work, FakeMaster(), autostop="5s", autostop_action="delete")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -25,6 +26,7 @@ import pytest
 pytest.importorskip("google.cloud.compute_v1", reason="needs google-cloud-compute (pip install 'dtrain[gcp]')")
 
 from gcp.compute_fake import ComputeWorld  # noqa: E402
+from runs import CLI  # noqa: E402
 
 from dtrain.control.events import Collector, Handle  # noqa: E402
 from dtrain.control.settings import load_cluster  # noqa: E402
@@ -111,7 +113,9 @@ def _service_events(run: Path) -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
-def test_a_preempted_worker_is_restarted_and_the_job_resumes_exactly(bed: Env) -> None:
+def test_a_preempted_worker_is_restarted_and_the_job_resumes_exactly(
+    bed: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     reference = bed.submit(*SHORT)
     ref = bed.wait(reference, lambda j: j["state"] == "COMPLETED", what="COMPLETED")
     with Cloud(bed) as cloud:
@@ -119,10 +123,19 @@ def test_a_preempted_worker_is_restarted_and_the_job_resumes_exactly(bed: Env) -
         run, _ = _preempt(bed, cloud, job)
         row = bed.wait(job, lambda j: j["state"] == "COMPLETED", what="COMPLETED after the preemption")
         shown = bed.dtrain("jobs", "--cluster", "bed", "--all")
+        # `dtrain status` of the same machines as the gcp cluster they stand for: the Compute fake's view, and
+        # the service's section read from the master.
+        config = _gcp_bed(bed, cloud.server.endpoint, tmp_path, monkeypatch)
+        ep = cloud.server.endpoint
+        env = {**bed.env(), "DTRAIN_GCP_COMPUTE_ENDPOINT": ep, "DTRAIN_GCP_API_ENDPOINT": ep, "NO_GCE_CHECK": "True"}
+        st = subprocess.run([*CLI, "--config", str(config), "status", "--cluster", "bed"], cwd=bed.cwd, env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
     assert cloud.starts() == 1 and cloud.service.state.nodes["h1"].restarts == 1
     assert row["restarts"] == 1 and row["run_id"] == run.name, row
     assert _service_events(run) == [("preempted", "h1"), ("restarted", "h1"), ("resumed", "h1")]
     assert "service:" in shown.stdout and "h1: 1 restart(s) after preemption" in shown.stdout, shown.stdout
+    assert st.returncode == 0, st.stdout + st.stderr
+    assert "service:" in st.stdout and "h1: 1 restart(s) after preemption" in st.stdout, st.stdout
     want, got = final_weights(Path(ref["url"])), final_weights(run)
     assert max((want[k].float() - got[k].float()).abs().max().item() for k in want) <= 1e-6
     assert status(run)["result"]["steps"] == status(Path(ref["url"]))["result"]["steps"]
