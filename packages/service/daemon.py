@@ -29,6 +29,7 @@ from dtrain.service.logic import Action, Job, Note, Seen, State, Vm
 
 POLL_S = 10.0
 COMMAND_TIMEOUT_S = 30.0
+SSH_ATTEMPTS = 3
 # Interactive SSH logins on the master: sshd's per-session process is titled "sshd: USER@pts/N".
 # dtrain's own commands (jobs, logs, this service's checks over SSH in tests) have no terminal
 # ("USER@notty") and are not a person at work. Only processes in this network namespace count (the test
@@ -106,13 +107,19 @@ class SshShell:
         self.ssh, self.node = SSH(cluster), cluster.master
 
     def __call__(self, command: str) -> subprocess.CompletedProcess:
+        """Tried again when the SSH connection itself failed (a shared connection closing as another dtrain
+        command ends); every command the service runs may run twice."""
         from dtrain.control.ssh import NodeError
 
-        try:
-            p = self.ssh.run(self.node, command, timeout=COMMAND_TIMEOUT_S, check=False)
-        except NodeError as e:
-            return subprocess.CompletedProcess(command, 255, "", str(e))
-        return subprocess.CompletedProcess(command, p.returncode, p.stdout.decode(), p.stderr.decode())
+        error = ""
+        for attempt in range(SSH_ATTEMPTS):
+            try:
+                p = self.ssh.run(self.node, command, timeout=COMMAND_TIMEOUT_S, check=False)
+                return subprocess.CompletedProcess(command, p.returncode, p.stdout.decode(), p.stderr.decode())
+            except NodeError as e:
+                error = str(e)
+                time.sleep(0.5 * (attempt + 1))
+        return subprocess.CompletedProcess(command, 255, "", error)
 
     def close(self) -> None:
         self.ssh.close()
@@ -138,6 +145,7 @@ class Service:
         self.cfg, self.gcp, self.shell = cfg, gcp, shell
         self.events = events or Events()
         self.state = self._load_state()
+        self._urls: dict[str, str] = {}  # job id -> its run's URL (the job table's entry)
 
     def _load_state(self) -> State:
         fresh = State(
@@ -265,7 +273,14 @@ class Service:
         from dtrain.common.metrics import record_event
         from dtrain.common.storage import open_store
 
-        for job, url in self._run_urls(note.jobs).items():
+        missing = tuple(j for j in note.jobs if j not in self._urls)
+        if missing:
+            self._urls.update(self._run_urls(missing))
+        for job in note.jobs:
+            url = self._urls.get(job)
+            if url is None:
+                self.events.warning(f"{note.kind} {note.node}: job {job}'s run not found: not recorded in its events")
+                continue
             with contextlib.suppress(Exception):
                 record_event(open_store(url), None, note.kind, note.message, node=note.node, job=job,
                              source="dtrain-service")  # fmt: skip

@@ -81,6 +81,7 @@ class Cloud:
         self.thread.join(timeout=60)
         self.shell.close()
         self.server.__exit__(None, None, None)
+        self.state_file.unlink(missing_ok=True)  # the bed's other tests see no service
 
     def starts(self) -> int:
         return self.world.called("POST", r"/instances/h1/start$")
@@ -132,7 +133,8 @@ def test_a_preempted_worker_is_restarted_and_the_job_resumes_exactly(
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert cloud.starts() == 1 and cloud.service.state.nodes["h1"].restarts == 1
     assert row["restarts"] == 1 and row["run_id"] == run.name, row
-    assert _service_events(run) == [("preempted", "h1"), ("restarted", "h1"), ("resumed", "h1")]
+    said = [(e.kind, e.message) for e in cloud.events.events]
+    assert _service_events(run) == [("preempted", "h1"), ("restarted", "h1"), ("resumed", "h1")], said
     assert "service:" in shown.stdout and "h1: 1 restart(s) after preemption" in shown.stdout, shown.stdout
     assert st.returncode == 0, st.stdout + st.stderr
     assert "service:" in st.stdout and "h1: 1 restart(s) after preemption" in st.stdout, st.stdout
