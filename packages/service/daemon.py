@@ -30,13 +30,14 @@ from dtrain.service.logic import Action, Job, Note, Seen, State, Vm
 POLL_S = 10.0
 COMMAND_TIMEOUT_S = 30.0
 SSH_ATTEMPTS = 3
-# Interactive SSH logins on the master: sshd's per-session process is titled "sshd: USER@pts/N".
+# Interactive SSH logins on the master: sshd's per-session process is titled "sshd: USER@pts/N"
+# ("sshd-session: USER@pts/N" from OpenSSH 9.8).
 # dtrain's own commands (jobs, logs, this service's checks over SSH in tests) have no terminal
 # ("USER@notty") and are not a person at work. Only processes in this network namespace count (the test
 # bed's hosts share one process table).
 SESSIONS = (
     "me=$(readlink /proc/self/ns/net); n=0; "
-    "for p in $(pgrep -f '^sshd: [^ ]+@pts/' 2>/dev/null); do "
+    "for p in $(pgrep -f '^sshd(-session)?: [^ ]+@pts/' 2>/dev/null); do "
     'ns=$(readlink /proc/$p/ns/net 2>/dev/null || echo "$me"); [ "$ns" = "$me" ] && n=$((n+1)); '
     "done; echo $n"
 )

@@ -213,3 +213,42 @@ def test_start_cluster_names_deleted_nodes(gcp, world, cluster):
 
     with pytest.raises(UserError, match="demo-worker-0 no longer exist.*dtrain up --cluster demo"):
         instances.start_cluster(gcp, ZONE, "demo", [MASTER, WORKER], events=Collector(), handle=Handle())
+
+
+def test_ensure_running_starts_a_stopped_cluster_and_refreshes_its_addresses(
+    gcp, world, cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """What `dtrain submit`/`up` do first on a gcp cluster: start what is stopped (the master first), take
+    the new external IPs into the record, wait for the nodes; after autostop_action = "delete", `up` starts
+    what is left and leaves the rest to Terraform."""
+    from dtrain.control.gcp import lifecycle
+    from dtrain.control.gcp.record import key_path, read_record, write_record
+    from dtrain.control.settings import cluster_config
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    for name in ("DTRAIN_GCP_COMPUTE_ENDPOINT", "DTRAIN_GCP_API_ENDPOINT"):
+        monkeypatch.setenv(name, gcp.endpoint)
+    nodes = [{"name": n, "role": r, "internal_ip": ip, "external_ip": "34.0.0.1", "gpus": 0}
+             for n, r, ip in ((MASTER, "master", "10.0.0.2"), (WORKER, "worker", "10.0.0.3"))]  # fmt: skip
+    write_record({"name": "demo", "project": gcp.project, "zone": ZONE, "bucket": "gs://b", "ssh_user": "dtrain",
+                  "nodes": nodes})  # fmt: skip
+    key_path("demo").write_text("key")
+    toml = tmp_path / "dtrain.toml"
+    toml.write_text(f'[clusters.demo]\nbackend = "gcp"\nproject = "{gcp.project}"\nzone = "{ZONE}"\n'
+                    'ssh_source_ranges = ["203.0.113.7/32"]\n')  # fmt: skip
+    cfg = cluster_config(toml, "demo")
+    waited: list[list[str]] = []
+    monkeypatch.setattr(lifecycle, "wait_ready", lambda c, **kw: waited.append([n.ssh_host for n in c.nodes]))
+    assert lifecycle.ensure_running(cfg, events=Collector(), handle=Handle()) is False  # running: nothing to do
+    for name, ip in ((MASTER, "35.0.0.2"), (WORKER, "35.0.0.3")):
+        world.instances[(ZONE, name)]["status"] = "TERMINATED"
+        world.instances[(ZONE, name)]["networkInterfaces"][0]["accessConfigs"] = [{"natIP": ip}]
+    assert lifecycle.ensure_running(cfg, events=Collector(), handle=Handle()) is True
+    assert [p.split("/")[-2] for m, p, _ in world.requests if p.endswith("/start")] == [MASTER, WORKER]
+    assert waited == [["35.0.0.2", "35.0.0.3"]]
+    assert [n["external_ip"] for n in read_record("demo")["nodes"]] == ["35.0.0.2", "35.0.0.3"]
+
+    del world.instances[(ZONE, WORKER)]
+    world.instances[(ZONE, MASTER)]["status"] = "TERMINATED"
+    assert lifecycle.ensure_running(cfg, events=Collector(), handle=Handle(), missing_ok=True) is True
+    assert world.instances[(ZONE, MASTER)]["status"] == "RUNNING" and len(waited) == 1

@@ -87,6 +87,31 @@ class Cloud:
         return self.world.called("POST", r"/instances/h1/start$")
 
 
+def test_an_interactive_login_counts_as_a_session_and_dtrains_commands_do_not(bed: Env) -> None:
+    """What autostop counts as someone at work on the master: a login with a terminal on h0, not the
+    commands dtrain runs there (no terminal), nor a login on another host (h1)."""
+    from dtrain.service.daemon import SESSIONS
+
+    sb = bed.sb
+    assert sb.ssh(sb.host("h0"), SESSIONS).stdout.strip() == "0"
+    logins = []
+    try:
+        for h in ("h0", "h1"):
+            logins.append(subprocess.Popen(
+                ["ssh", "-tt", "-i", str(sb.bed.key), "-o", f"UserKnownHostsFile={sb.known_hosts}", "-o",
+                 "BatchMode=yes", f"root@{sb.host(h).address}", "sleep 60"],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))  # fmt: skip
+        deadline = time.monotonic() + 30
+        while (n := [sb.ssh(sb.host(h), SESSIONS).stdout.strip() for h in ("h0", "h1")]) != ["1", "1"]:
+            assert time.monotonic() < deadline, n  # each host counts its own login only
+            time.sleep(0.2)
+    finally:
+        for p in logins:
+            p.kill()
+            p.wait()
+
+
 @pytest.fixture
 def short_backoff(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(logic, "START_BACKOFF_S", 1.0)

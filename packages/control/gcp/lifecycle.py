@@ -922,8 +922,9 @@ def ensure_running(cfg: ClusterConfig, *, events: Events, handle: Handle, missin
     states = {s.name: s for s in node_states(ctx.api, zone, cfg.name, expected=names)}
     if all(states[n].status in RUNNING for n in names):
         return False
-    if missing_ok:
-        names = [n for n in names if states[n].status != "MISSING"]
+    gone = [n for n in names if states[n].status == "MISSING"]
+    if missing_ok and gone:
+        names = [n for n in names if n not in gone]
         if not names:
             return False
     stopped = [n for n in names if states[n].status not in RUNNING]
@@ -937,6 +938,8 @@ def ensure_running(cfg: ClusterConfig, *, events: Events, handle: Handle, missin
             if node.get("external_ip"):
                 node["external_ip"] = s.external_ip or node["external_ip"]
     write_record(rec)
+    if missing_ok and gone:
+        return True  # `dtrain up` makes the missing VMs again and waits for every node itself
     from dtrain.control.backends import get
 
     cluster = get("gcp").cluster(cfg)
