@@ -13,6 +13,8 @@
     ssh_source_ranges = ["203.0.113.7/32"]   # who may SSH in (required)
     external_ip = true                  # false: internal IPs only, SSH through IAP (needs gcloud)
     os_login = "auto"                   # true / false; auto: as the organisation's policy requires
+    autostop = "60m"                    # the cluster service stops an idle cluster ("off": never; docs/service.md)
+    autostop_action = "stop"            # or "delete" (the bucket and Terraform's state are kept)
 
 Every key, its type and default is in GCP_FIELDS below; `dtrain config show` lists the table as
 written, and `dtrain up` shows what it resolved to. Derivation (which machine type carries which
