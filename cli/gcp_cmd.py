@@ -129,6 +129,18 @@ def status(cluster: o.Cluster = None, json_out: o.Json = False) -> None:
         f"now ${st.usd_per_hour:.2f}/hour"
     )
     console.out.print(f"[dim]{st.note}[/]")
+    if any(r.state == "RUNNING" for r in st.nodes[:1]):  # the service runs on the master
+        _service(cfg, backend)
+
+
+def _service(cfg: Any, backend: Any) -> None:
+    """The cluster service's section (docs/service.md), when the nodes can be reached."""
+    import contextlib
+
+    from dtrain.cli.jobs_cmd import print_service
+
+    with contextlib.suppress(Exception):
+        print_service(backend.cluster(cfg))
 
 
 def _duration(seconds: int) -> str:

@@ -98,6 +98,7 @@ def jobs(
         return
     if not rows:
         console.out.print(f"no jobs on cluster {c.name}" + ("" if all_jobs else " (--all: ended ones too)"))
+        print_service(c, accept_new_host_keys)
         return
     from rich.table import Table
 
@@ -135,6 +136,19 @@ def jobs(
             f"[dim]$ est.: node-hours (Slurm's elapsed x nodes) at dtrain's price table: {PRICES_REGION} list "
             f"prices as of {PRICES_AS_OF} ({PRICES_SOURCE}), Spot at 60% off; your bill may differ[/]"
         )
+    print_service(c, accept_new_host_keys)
+
+
+def print_service(cluster: Any, accept_new_host_keys: bool = False) -> None:
+    """The cluster service's lines (preemptions, restarts, waiting for capacity, autostop), if it runs there."""
+    from dtrain.control.service_state import service_state
+
+    state = service_state(cluster, accept_new_host_keys=accept_new_host_keys)
+    if not state or not state.get("lines"):
+        return
+    console.out.print("service:", highlight=False)
+    for line in state["lines"]:
+        console.out.print(f"  {line}", highlight=False, markup=False)
 
 
 def _colour(state: str) -> str:

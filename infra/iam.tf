@@ -31,3 +31,39 @@ resource "google_project_iam_member" "node_observability" {
   role     = each.value
   member   = "serviceAccount:${google_service_account.node.email}"
 }
+
+# The cluster service on the master (docs/service.md) starts preempted nodes and stops (or deletes) the
+# cluster when it is idle, with this identity. A custom role holds only what it calls; the binding's IAM
+# condition limits the instance permissions to this cluster's VMs by their exact names (a name prefix
+# would also match cluster "demo-2"'s VMs from cluster "demo"). Listing instances and reading zone
+# operations are checked on the project/zone, not on an instance: the condition lets them through, and
+# the role grants nothing else there. docs/decisions.md says why not roles/compute.instanceAdmin.v1.
+resource "google_project_iam_custom_role" "service" {
+  project     = var.project_id
+  role_id     = replace("${module.plan.service_account_id}_service", "-", "_")
+  title       = "dtrain ${var.cluster_name} cluster service"
+  description = "Start, stop and delete the VMs of dtrain cluster ${var.cluster_name}; read their operations"
+  permissions = [
+    "compute.instances.delete",
+    "compute.instances.get",
+    "compute.instances.list",
+    "compute.instances.start",
+    "compute.instances.stop",
+    "compute.zoneOperations.get",
+    "compute.zoneOperations.list",
+  ]
+}
+
+resource "google_project_iam_member" "node_service" {
+  project = var.project_id
+  role    = google_project_iam_custom_role.service.name
+  member  = "serviceAccount:${google_service_account.node.email}"
+  condition {
+    title       = "dtrain-${var.cluster_name}-instances"
+    description = "Only the VMs of dtrain cluster ${var.cluster_name}"
+    expression = join(" || ", concat(
+      ["resource.type != \"compute.googleapis.com/Instance\""],
+      [for name in module.plan.node_names : "resource.name == \"projects/${var.project_id}/zones/${var.zone}/instances/${name}\""],
+    ))
+  }
+}

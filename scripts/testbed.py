@@ -161,6 +161,16 @@ def _teardown(state: dict, procs: tuple | list = ()) -> None:
     (STATE_DIR / f"{state['prefix']}.json").unlink(missing_ok=True)
 
 
+def _release_pyenv_lock() -> None:
+    """Where root's .bashrc runs `pyenv init` (these machines'), every SSH login runs pyenv's rehash, which
+    holds $PYENV_ROOT/shims/.pyenv-shim while it works. A login shell killed by crash() in that moment leaves
+    the lock behind, and every later login on the machine then waits 60 s for it: remove it once no rehash
+    is running."""
+    lock = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "shims" / ".pyenv-shim"
+    if lock.exists() and not _run("pgrep", "-f", "pyenv-rehash", check=False).stdout.strip():
+        lock.unlink(missing_ok=True)
+
+
 class Testbed:
     """N hosts on one bridge; create with ``Testbed.create(n, root)``, remove with ``destroy()`` (or ``with``)."""
 
@@ -318,6 +328,7 @@ class Testbed:
         for _ in range(50):  # until empty: a dying sshd may still fork a session
             pids = self.pids(host)
             if not pids:
+                _release_pyenv_lock()
                 return
             for pid in pids:
                 with contextlib.suppress(OSError):

@@ -172,3 +172,23 @@ time.sleep(60)
     assert namespace not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not root.exists() and not Path(f"/sys/class/net/dtbr{prefix[2:]}").exists()
     assert all(testbed.pids(h) for h in testbed.hosts)  # the live test bed is not stale
+
+
+def test_a_pyenv_lock_left_by_a_killed_login_is_released(tmp_path, monkeypatch):
+    """crash() kills login shells mid-flight; one killed during pyenv's rehash (root's .bashrc runs `pyenv
+    init` on these machines) leaves shims/.pyenv-shim, and every later SSH login waits 60 s on it."""
+    from .bed import testbed as module
+
+    lock = tmp_path / "shims" / ".pyenv-shim"
+    lock.parent.mkdir()
+    lock.write_text("")
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path))
+    rehash = subprocess.Popen(["bash", "-c", "exec -a pyenv-rehash sleep 30"])
+    try:
+        module._release_pyenv_lock()
+        assert lock.exists()  # a rehash is running: its lock is its own
+    finally:
+        rehash.kill()
+        rehash.wait()
+    module._release_pyenv_lock()
+    assert not lock.exists()

@@ -15,6 +15,10 @@ really does what the API does with it:
     API's 400 resourceInUseByAnotherResource; unknown resources are 404 with the API's message;
   - faults the tests inject answer with Compute's error JSON (403 SERVICE_DISABLED, permission
     denied, ...);
+  - instances.start/stop go through operations (RUNNING <-> TERMINATED); a start can be refused for lack
+    of capacity (the operation ends with ZONE_RESOURCE_POOL_EXHAUSTED, as Compute's does) and calls the
+    test's `on_start` hook once done; `mark_preempted` makes a confirmed preemption; `fail_status_once`
+    makes the next instances list/get a 500;
   - every request is recorded (method, path, query) for assertions.
 
 The same server also answers the other Google REST APIs dtrain calls (given to dtrain as
@@ -44,6 +48,12 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 GOOGLEAPIS = "https://www.googleapis.com/compute/v1"
 DEFAULT_TIME = "2025-01-01T00:00:00.000-08:00"
+# How a start operation ends when the zone has no capacity for the VM (the operation's error, code
+# ZONE_RESOURCE_POOL_EXHAUSTED; HTTP 503 in httpErrorStatusCode).
+ZONE_EXHAUSTED = (
+    "The zone 'projects/{project}/zones/{zone}' does not have enough resources available to fulfill the "
+    "request.  Try a different zone, or try again later."
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,6 +240,12 @@ class ComputeWorld:
         self.granted: set[str] | None = None  # permissions the caller holds; None: all
         self.identity = "dev@example.com"
         self.os_login: dict[str, dict] = {}  # e-mail -> {"username", "keys": {fingerprint: key}}
+        # instances.start/stop (see start_instance): refusals left per instance name (None: every one),
+        # and what the test does when an instance starts (revive its test-bed host).
+        self.start_refusals: dict[str | None, int] = {}
+        self.on_start: Any = None  # fn(zone, name), called in a thread of its own once the start is done
+        self.on_stop: Any = None  # fn(zone, name), the same once a stop is done (the test crashes the host)
+        self.status_failures = 0  # instances list/get answered with a 500 this many times
 
     # -- links
 
@@ -469,6 +485,67 @@ class ComputeWorld:
         inst["lastStopTimestamp"] = at
         self._record_op(f"zones/{zone}", "compute.instances.preempted", inst["selfLink"], at, done=True, zone=zone)
 
+    def mark_preempted(self, zone: str, name: str) -> None:
+        """A spot VM preempted now (termination action STOP): TERMINATED, with its preempted operation
+        timed after its last start, so dtrain sees a confirmed preemption."""
+        self.preempt(zone, name, now_rfc3339())
+
+    def refuse_starts(self, times: int, name: str | None = None) -> None:
+        """The next `times` starts (of `name`, or of any instance) end as Compute ends them when the zone
+        has no capacity: the operation finishes DONE with a ZONE_RESOURCE_POOL_EXHAUSTED error."""
+        self.start_refusals[name] = times
+
+    def fail_status_once(self) -> None:
+        """The next instances list or get answers 500 (a transient error of the API that the client
+        library does not retry)."""
+        self.status_failures += 1
+
+    def start_instance(self, zone: str, name: str) -> dict:
+        """instances.start: a RUNNING operation; when it finishes the VM is RUNNING with a new
+        lastStartTimestamp (and `on_start` runs), or the operation fails for lack of capacity."""
+        inst = self._get(self.instances, (zone, name), f"zones/{zone}/instances/{name}")
+        key = name if self.start_refusals.get(name) else None
+        refuse = bool(self.start_refusals.get(key))
+        if refuse:
+            self.start_refusals[key] -= 1
+        elif inst["status"] in ("TERMINATED", "STOPPED"):
+            inst["status"] = "STAGING"
+
+        def action() -> str | None:
+            if refuse:
+                return ZONE_EXHAUSTED.format(project=self.project, zone=zone)
+            inst["status"] = "RUNNING"
+            inst["lastStartTimestamp"] = now_rfc3339()
+            if self.on_start is not None:
+                threading.Thread(target=self.on_start, args=(zone, name), daemon=True).start()
+            return None
+
+        return self._instance_op(zone, "start", inst, action, "ZONE_RESOURCE_POOL_EXHAUSTED" if refuse else "")
+
+    def stop_instance(self, zone: str, name: str) -> dict:
+        """instances.stop: STOPPING at once, TERMINATED when the operation finishes (as Compute reports a
+        stopped VM)."""
+        inst = self._get(self.instances, (zone, name), f"zones/{zone}/instances/{name}")
+        if inst["status"] == "RUNNING":
+            inst["status"] = "STOPPING"
+
+        def action() -> str | None:
+            inst["status"] = "TERMINATED"
+            inst["lastStopTimestamp"] = now_rfc3339()
+            if self.on_stop is not None:
+                threading.Thread(target=self.on_stop, args=(zone, name), daemon=True).start()
+            return None
+
+        return self._instance_op(zone, "stop", inst, action, "")
+
+    def _instance_op(self, zone: str, op_type: str, inst: dict, action: Any, code: str) -> dict:
+        scope = f"zones/{zone}"
+        op = self._record_op(scope, op_type, inst["selfLink"], now_rfc3339(), done=False, action=action, zone=zone)
+        self.operations[(scope, op["name"])]["code"] = code
+        if self.polls_to_finish <= 0:
+            return self._poll(scope, op["name"])
+        return op
+
     def fail(self, method: str, path: str, body: dict, times: int | None = None) -> None:
         self.faults.append(Fault(method, path, body, times))
 
@@ -523,9 +600,11 @@ class ComputeWorld:
                 failure = state["action"]() if state["action"] else None
                 op.update(status="DONE", progress=100, endTime=DEFAULT_TIME)
                 if failure:
-                    op["error"] = {"errors": [{"code": "RESOURCE_OPERATION_FAILED", "message": failure}]}
-                    op["httpErrorStatusCode"] = 400
-                    op["httpErrorMessage"] = "BAD REQUEST"
+                    code = state.get("code") or "RESOURCE_OPERATION_FAILED"
+                    op["error"] = {"errors": [{"code": code, "message": failure}]}
+                    exhausted = code == "ZONE_RESOURCE_POOL_EXHAUSTED"
+                    op["httpErrorStatusCode"] = 503 if exhausted else 400
+                    op["httpErrorMessage"] = "SERVICE UNAVAILABLE" if exhausted else "BAD REQUEST"
         return op
 
     def _delete_op(self, kind: str, name: str, scope: str, target: str, remove: Any, **where: str) -> dict:
@@ -699,6 +778,9 @@ class _Handler(BaseHTTPRequestHandler):
         with w.lock:
             w.requests.append((method, url.path, query))
             try:
+                if w.status_failures and method == "GET" and re.search(r"/instances(/[^/]+)?$", url.path):
+                    w.status_failures -= 1
+                    raise HttpError(error_body(500, "Internal error. Please try again.", "backendError", "INTERNAL"))
                 for fault in w.faults:
                     if fault.method == method and re.search(fault.path, url.path) and fault.times != 0:
                         if fault.times is not None:
@@ -851,6 +933,14 @@ class _Handler(BaseHTTPRequestHandler):
     def delete_instance(self, query: dict, zone: str, name: str) -> dict:
         self._zone(zone)
         return self.world.delete_instance(zone, name)
+
+    def start_instance(self, query: dict, zone: str, name: str) -> dict:
+        self._zone(zone)
+        return self.world.start_instance(zone, name)
+
+    def stop_instance(self, query: dict, zone: str, name: str) -> dict:
+        self._zone(zone)
+        return self.world.stop_instance(zone, name)
 
     def insert_instance(self, query: dict, zone: str) -> dict:
         self._zone(zone)
@@ -1015,6 +1105,8 @@ _ROUTES = [
     (r"/aggregated/instances", "GET", _Handler.aggregated_instances),
     (r"/zones/([^/]+)/instances/([^/]+)", "GET", _Handler.get_instance),
     (r"/zones/([^/]+)/instances/([^/]+)", "DELETE", _Handler.delete_instance),
+    (r"/zones/([^/]+)/instances/([^/]+)/start", "POST", _Handler.start_instance),
+    (r"/zones/([^/]+)/instances/([^/]+)/stop", "POST", _Handler.stop_instance),
     (r"/aggregated/disks", "GET", _Handler.aggregated_disks),
     (r"/zones/([^/]+)/disks/([^/]+)", "DELETE", _Handler.delete_disk),
     (r"/aggregated/addresses", "GET", _Handler.aggregated_addresses),

@@ -32,6 +32,7 @@ UNLABELLED = {
     "google_storage_bucket_iam_member",
     "google_artifact_registry_repository_iam_member",
     "google_project_iam_member",
+    "google_project_iam_custom_role",  # roles take no labels; it says its cluster in title and description
 }
 TAG = "${module.plan.network_tag}"
 IAP_RANGE = "35.235.240.0/20"
@@ -136,11 +137,30 @@ def check_service_account(root: Module, plan: Module) -> None:
     assert ar_iam["role"] == "roles/artifactregistry.reader" and ar_iam["member"] == member
     assert ar_iam["repository"] == "${google_artifact_registry_repository.images.name}"
     for name, binding in root.of_type("google_project_iam_member").items():
+        if name == "node_service":  # the cluster service's custom role, conditioned: check_service_role
+            continue
         assert "var.observability_roles" in binding["for_each"], f"project-level grant {name} must be opt-in"
         assert (
             "roles/logging.logWriter" in binding["for_each"] and "roles/monitoring.metricWriter" in binding["for_each"]
         )
         assert not re.search(r"roles/(owner|editor|storage\.admin|iam\.)", binding["for_each"])
+
+
+def check_service_role(root: Module, plan: Module) -> None:
+    """The cluster service's grant: a custom role with only the instance and operation calls it makes,
+    bound with a condition naming this cluster's VMs exactly."""
+    role = root.resource("google_project_iam_custom_role", "service")
+    assert sorted(role["permissions"]) == [
+        "compute.instances.delete", "compute.instances.get", "compute.instances.list", "compute.instances.start",
+        "compute.instances.stop", "compute.zoneOperations.get", "compute.zoneOperations.list",
+    ]  # fmt: skip
+    binding = root.resource("google_project_iam_member", "node_service")
+    assert binding["role"] == "${google_project_iam_custom_role.service.name}"
+    assert binding["member"] == "serviceAccount:${google_service_account.node.email}"
+    expression = block(binding, "condition")["expression"]
+    assert 'resource.type != \\"compute.googleapis.com/Instance\\"' in expression, expression
+    assert "for name in module.plan.node_names" in expression and 'resource.name == \\"projects/' in expression
+    assert "startsWith" not in expression  # a prefix would reach other clusters' VMs (demo -> demo-2)
 
 
 def check_ssh_metadata(root: Module, plan: Module) -> None:
@@ -218,6 +238,7 @@ CHECKS = [
     check_labels,
     check_gpu_scheduling,
     check_service_account,
+    check_service_role,
     check_ssh_metadata,
     check_shielded_vm,
     check_bucket,
@@ -322,6 +343,18 @@ MUTATIONS = [
         'public_access_prevention    = "enforced"',
         'public_access_prevention    = "inherited"',
         check_bucket,
+    ),
+    (
+        "iam.tf",
+        '"compute.instances.stop",',
+        '"compute.instances.stop",\n    "compute.instances.setMetadata",',
+        check_service_role,
+    ),  # fmt: skip
+    (
+        "iam.tf",
+        '[for name in module.plan.node_names : "resource.name == ',
+        '[for name in module.plan.node_names : "resource.name.startsWith(',
+        check_service_role,
     ),
 ]
 

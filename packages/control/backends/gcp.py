@@ -82,6 +82,21 @@ def node_prices(gs: Any, rec: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _install_service(cfg: ClusterConfig, cluster: Cluster, events: Any) -> None:
+    """The cluster service on the master (dtrain.control.gcp.service_setup), next to Slurm's job table."""
+    from dtrain.control.gcp import service_setup
+    from dtrain.control.gcp.record import read_record
+    from dtrain.control.gcp.spec import gcp_spec
+    from dtrain.control.ssh import SSH
+
+    gs = gcp_spec(cfg.name, cfg.spec, where(cfg))
+    rec = read_record(cfg.name) or {}
+    with SSH(cluster) as ssh:
+        w = shlex.quote(cluster.master.workdir)
+        workdir = ssh.run(cluster.master, f"mkdir -p {w} && cd {w} && pwd").stdout.decode().strip()
+        service_setup.install(ssh, cluster, rec, workdir, gs.autostop, gs.autostop_action, events)
+
+
 class Gcp:
     name = "gcp"
     provisions = True
@@ -163,13 +178,23 @@ class Gcp:
     def up(self, cfg: ClusterConfig, **kw: Any) -> Any:
         from dtrain.control.gcp import lifecycle
 
+        # A stopped cluster (autostop): Terraform leaves stopped VMs stopped, so start them first.
+        lifecycle.ensure_running(cfg, events=kw["events"], handle=kw["handle"], missing_ok=True)
         result = lifecycle.up(cfg, **kw)
         cluster = self.cluster(cfg)
         if cluster.slurm is not None:  # (re)configure Slurm for the nodes the cluster now has
             from dtrain.control.slurm.setup import setup
 
             setup(cluster, events=kw["events"], handle=kw["handle"])
+            _install_service(cfg, cluster, kw["events"])
         return result
+
+    def ensure_running(self, cfg: ClusterConfig, *, events: Any, handle: Any) -> bool:
+        """Start a stopped cluster before a job is submitted to it (dtrain.control.gcp.lifecycle); whether
+        anything was started."""
+        from dtrain.control.gcp import lifecycle
+
+        return lifecycle.ensure_running(cfg, events=events, handle=handle)
 
     def down(self, cfg: ClusterConfig, **kw: Any) -> Any:
         from dtrain.control.gcp import lifecycle

@@ -910,3 +910,50 @@ def status(cfg: ClusterConfig, *, now: Any = None) -> StatusResult:
         )
     note = estimate_note(any(r.spot for r in rows) if rows else s.spot)
     return StatusResult(s.name, ctx.project, zone or "", tuple(rows), rec is not None, note, region=s.region)
+
+
+# ---------------------------------------------------------------------------------------------
+# a stopped cluster (autostop, or stopped by hand)
+
+
+def ensure_running(cfg: ClusterConfig, *, events: Events, handle: Handle, missing_ok: bool = False) -> bool:
+    """Start the cluster's stopped VMs (the master first), wait until they are ready, and refresh the
+    record's addresses (a VM without a static address gets a new external IP at each start). What
+    `dtrain submit` and `dtrain up` do first. Returns whether anything was started. `missing_ok`: deleted
+    VMs are left to Terraform (`dtrain up` recreates them) instead of being an error."""
+    from dtrain.control.gcp.api import node_states
+    from dtrain.control.gcp.instances import RUNNING, start_cluster
+    from dtrain.control.gcp.record import read_record, write_record
+
+    rec = read_record(cfg.name)
+    if rec is None:
+        return False
+    ctx = context(cfg)
+    zone = rec["zone"]
+    names = [n["name"] for n in sorted(rec["nodes"], key=lambda n: n["role"] != "master")]
+    states = {s.name: s for s in node_states(ctx.api, zone, cfg.name, expected=names)}
+    if all(states[n].status in RUNNING for n in names):
+        return False
+    gone = [n for n in names if states[n].status == "MISSING"]
+    if missing_ok and gone:
+        names = [n for n in names if n not in gone]
+        if not names:
+            return False
+    stopped = [n for n in names if states[n].status not in RUNNING]
+    events.emit("stage", f"cluster {cfg.name} is stopped ({', '.join(stopped)}): starting it")
+    start_cluster(ctx.api, zone, cfg.name, names, events=events, handle=handle)
+    fresh = {s.name: s for s in node_states(ctx.api, zone, cfg.name, expected=names)}
+    for node in rec["nodes"]:
+        s = fresh.get(node["name"])
+        if s is not None and s.status == "RUNNING":
+            node["internal_ip"] = s.internal_ip or node["internal_ip"]
+            if node.get("external_ip"):
+                node["external_ip"] = s.external_ip or node["external_ip"]
+    write_record(rec)
+    if missing_ok and gone:
+        return True  # `dtrain up` makes the missing VMs again and waits for every node itself
+    from dtrain.control.backends import get
+
+    cluster = get("gcp").cluster(cfg)
+    wait_ready(cluster, timeout=ctx.spec.ready_timeout, events=events, handle=handle)
+    return True

@@ -15,6 +15,8 @@
     ssh_source_ranges = ["203.0.113.7/32"]   # who may SSH in (required)
     external_ip = true                  # false: internal IPs only, SSH through IAP (needs gcloud)
     os_login = "auto"                   # true / false; auto: as the organisation's policy requires
+    autostop = "60m"                    # the cluster service stops an idle cluster ("off": never; docs/service.md)
+    autostop_action = "stop"            # or "delete" (the bucket and Terraform's state are kept)
 
 Every key, its type and default is in GCP_FIELDS below; `dtrain config show` lists the table as
 written, and `dtrain up` shows what it resolved to. Derivation (which machine type carries which
@@ -77,6 +79,10 @@ class GcpSpec:
     image: str = ""  # training image (container mode); default: the last `dtrain build --cluster NAME`
     # A running job whose metrics have not advanced for this long is stalled ("30m", "2h", "90s").
     stall_after: str = "30m"
+    # The cluster service (docs/service.md): stop the cluster after this long idle ("30m", "90s", "2h";
+    # "off" or "0": never); "stop" keeps the disks, "delete" deletes the VMs (bucket and state kept).
+    autostop: str = "60m"
+    autostop_action: str = "stop"
     # Launcher keys shared with hosts clusters
     rdzv_port: int = 29400
     rdzv_timeout: int = 120
@@ -157,6 +163,12 @@ def _check(s: GcpSpec, where: str) -> None:
         raise UserError(f"{where}: region {s.region!r} is not a region name like us-central1")
     if s.zone and (not ZONE_RE.match(s.zone) or not s.zone.startswith(s.region + "-")):
         raise UserError(f"{where}: zone {s.zone!r} is not a zone of region {s.region} (like {s.region}-a)")
+    if s.autostop_action not in ("stop", "delete"):
+        raise UserError(f'{where}: autostop_action must be "stop" or "delete", got {s.autostop_action!r}')
+    if s.autostop.strip().lower() not in ("off", "0"):
+        from dtrain.control.cluster import duration
+
+        duration(s.autostop.strip().lower(), "autostop", where)
     lo, hi = rules.limits("worker_count")
     if not lo <= s.workers <= hi:
         raise UserError(f"{where}: workers must be {lo}-{hi}, got {s.workers}")

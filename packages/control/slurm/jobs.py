@@ -217,9 +217,16 @@ class SubmitResult:
 
 def submit(req: LaunchRequest, *, nodes: int = 0, name: str = "", events: Events, handle: Handle) -> SubmitResult:
     """Queue `req`'s workload as a Slurm job on its cluster and return at once with the job id."""
+    from dtrain.control import backends
     from dtrain.control.launch import resolve
+    from dtrain.control.settings import get_cluster
 
     r = resolve(req)
+    cfg = get_cluster(r.settings)
+    start = getattr(backends.get(cfg.backend), "ensure_running", None)
+    # A provisioning backend's cluster may be stopped (autostop): start it first; its addresses may change.
+    if start is not None and start(cfg, events=events, handle=handle):
+        r = resolve(req)
     with Session(r.cluster, accept_new_host_keys=req.accept_new_host_keys) as s:
         return _submit(s, req, r, nodes=nodes, name=name, interactive=False, events=events)[0]
 

@@ -1,0 +1,332 @@
+"""The cluster service's loop: look (Compute API, Slurm, login sessions), decide (dtrain.service.logic),
+act (start/stop/delete through dtrain.control.gcp.instances, scontrol resume), record (the state file,
+the runs' events.jsonl).
+
+    cfg = ServiceConfig.load(Path("/etc/dtrain/service.json"))
+    Service(cfg, gcp=connect(cfg.project, cfg.cluster), shell=LocalShell()).run(handle)
+
+`shell` runs Slurm's commands on the master: locally where the service runs on it (LocalShell), over SSH
+in tests that run the service beside a test bed (dtrain.control.ssh via SshShell).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shlex
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from dtrain.control.events import Events, Handle
+from dtrain.service import logic
+from dtrain.service.logic import Action, Job, Note, Seen, State, Vm
+
+POLL_S = 10.0
+COMMAND_TIMEOUT_S = 30.0
+SSH_ATTEMPTS = 3
+# Interactive SSH logins on the master: sshd's per-session process is titled "sshd: USER@pts/N"
+# ("sshd-session: USER@pts/N" from OpenSSH 9.8).
+# dtrain's own commands (jobs, logs, this service's checks over SSH in tests) have no terminal
+# ("USER@notty") and are not a person at work. Only processes in this network namespace count (the test
+# bed's hosts share one process table).
+SESSIONS = (
+    "me=$(readlink /proc/self/ns/net); n=0; "
+    "for p in $(pgrep -f '^sshd(-session)?: [^ ]+@pts/' 2>/dev/null); do "
+    'ns=$(readlink /proc/$p/ns/net 2>/dev/null || echo "$me"); [ "$ns" = "$me" ] && n=$((n+1)); '
+    "done; echo $n"
+)
+SQUEUE = "squeue -h -o '%i|%T|%r|%N'"
+SINFO = "sinfo -h -N -o '%N|%t'"
+
+
+def parse_duration(text: str | int | float | None, default: str = "60m") -> float | None:
+    """The `autostop` key: a duration as every cluster-table duration is written ("30m", "90s", "2h",
+    "1h30m", or seconds: dtrain.control.cluster.duration); "off"/"0" -> None (autostop disabled)."""
+    from dtrain.common.errors import UserError
+    from dtrain.control.cluster import duration
+
+    if text is None:
+        text = default
+    if isinstance(text, float):
+        return text or None
+    if str(text).strip().lower() in ("off", "0", "none", "false", ""):
+        return None
+    try:
+        return duration(text if isinstance(text, int) else str(text).strip().lower(), "autostop", "autostop")
+    except UserError:
+        raise ValueError(f'autostop = {text!r}: expected a duration like "30m", "90s", "2h", or "off"') from None
+
+
+@dataclasses.dataclass(kw_only=True)
+class ServiceConfig:
+    """What the service watches; `dtrain up` writes it to the master as JSON."""
+
+    cluster: str
+    project: str
+    zone: str
+    master: str  # instance names (= Slurm node names on dtrain's clusters)
+    workers: list[str]
+    autostop: str = "60m"
+    autostop_action: str = "stop"
+    workdir: str  # the Slurm login workdir: its jobs/ table names each job's run
+    state_file: str  # where the CLI reads the state (`dtrain jobs`, `dtrain status`)
+    poll_s: float = POLL_S
+
+    def __post_init__(self) -> None:
+        if self.autostop_action not in ("stop", "delete"):
+            raise ValueError(f'autostop_action = {self.autostop_action!r}: expected "stop" or "delete"')
+        parse_duration(self.autostop)
+
+    @classmethod
+    def load(cls, path: Path) -> ServiceConfig:
+        d = json.loads(Path(path).read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+class Shell(Protocol):
+    def __call__(self, command: str) -> subprocess.CompletedProcess: ...
+
+
+class LocalShell:
+    def __call__(self, command: str) -> subprocess.CompletedProcess:
+        env = dict(os.environ, PATH=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
+        return subprocess.run(
+            ["sh", "-c", command], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, env=env, check=False
+        )
+
+
+class SshShell:
+    """The master's commands over SSH (a service run beside the cluster, as the tests do)."""
+
+    def __init__(self, cluster: Any) -> None:
+        from dtrain.control.ssh import SSH
+
+        self.ssh, self.node = SSH(cluster), cluster.master
+
+    def __call__(self, command: str) -> subprocess.CompletedProcess:
+        """Tried again when the SSH connection itself failed (a shared connection closing as another dtrain
+        command ends); every command the service runs may run twice."""
+        from dtrain.control.ssh import NodeError
+
+        error = ""
+        for attempt in range(SSH_ATTEMPTS):
+            try:
+                p = self.ssh.run(self.node, command, timeout=COMMAND_TIMEOUT_S, check=False)
+                return subprocess.CompletedProcess(command, p.returncode, p.stdout.decode(), p.stderr.decode())
+            except NodeError as e:
+                error = str(e)
+                time.sleep(0.5 * (attempt + 1))
+        return subprocess.CompletedProcess(command, 255, "", error)
+
+    def close(self) -> None:
+        self.ssh.close()
+
+
+def expand_hostlist(text: str) -> tuple[str, ...]:
+    """Slurm's host list ("h[0-1,3],w-0") as names."""
+    out: list[str] = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", text):
+        prefix, ranges = m[1], m[2]
+        if not ranges:
+            out.append(prefix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            for i in range(int(lo), int(hi or lo) + 1):
+                out.append(f"{prefix}{str(i).zfill(len(lo))}")
+    return tuple(n for n in out if n)
+
+
+class Service:
+    def __init__(self, cfg: ServiceConfig, *, gcp: Any, shell: Shell, events: Events | None = None) -> None:
+        self.cfg, self.gcp, self.shell = cfg, gcp, shell
+        self.events = events or Events()
+        self.state = self._load_state()
+        self._urls: dict[str, str] = {}  # job id -> its run's URL (the job table's entry)
+
+    def _load_state(self) -> State:
+        fresh = State(
+            cluster=self.cfg.cluster,
+            zone=self.cfg.zone,
+            master=self.cfg.master,
+            workers=list(self.cfg.workers),
+            autostop_s=parse_duration(self.cfg.autostop),
+            autostop_action=self.cfg.autostop_action,
+        )
+        with contextlib.suppress(FileNotFoundError, ValueError, TypeError):
+            old = State.from_dict(json.loads(Path(self.cfg.state_file).read_text()))
+            fresh.nodes = old.nodes  # restarts and recoveries under way survive the service's restart
+        return fresh
+
+    # -- look ---------------------------------------------------------------------------------------
+
+    def look(self) -> Seen:
+        from dtrain.control.gcp.api import node_states
+
+        names = [self.cfg.master, *self.cfg.workers]
+        vms: dict[str, Vm] | None
+        error = ""
+        try:
+            vms = {
+                s.name: Vm(s.name, s.status, s.preempted, s.preempted_at)
+                for s in node_states(self.gcp, self.cfg.zone, self.cfg.cluster, expected=names)
+            }
+        except Exception as e:  # noqa: BLE001 - any failure is "no answer", never "not running"
+            vms, error = None, " ".join(str(e).split())[:300]
+        return Seen(vms=vms, vm_error=error, jobs=self._jobs(), slurm_up=self._slurm_up(), sessions=self._sessions())
+
+    def _jobs(self) -> tuple[Job, ...] | None:
+        p = self.shell(SQUEUE)
+        if p.returncode != 0:
+            return None
+        jobs = []
+        for line in p.stdout.splitlines():
+            parts = line.strip().split("|")
+            if len(parts) == 4:
+                nodes = expand_hostlist(parts[3]) if parts[3] and parts[3] != "(null)" else ()
+                jobs.append(Job(parts[0], parts[1], parts[2], nodes))
+        return tuple(jobs)
+
+    def _slurm_up(self) -> frozenset[str] | None:
+        """Nodes whose slurmd answers (sinfo marks the others with "*"), whatever their state (a DOWN node
+        that answers is what `scontrol update state=resume` returns)."""
+        p = self.shell(SINFO)
+        if p.returncode != 0:
+            return None
+        up = set()
+        for line in p.stdout.splitlines():
+            name, _, st = line.strip().partition("|")
+            if name and st and "*" not in st:
+                up.add(name)
+        return frozenset(up)
+
+    def _sessions(self) -> int | None:
+        p = self.shell(SESSIONS)
+        try:
+            return int(p.stdout.strip()) if p.returncode == 0 else None
+        except ValueError:
+            return None
+
+    # -- act ----------------------------------------------------------------------------------------
+
+    def step(self, now: float | None = None) -> list[Action]:
+        """One poll: look, decide, act, record. The actions taken."""
+        now = time.time() if now is None else now
+        seen = self.look()
+        actions, notes = logic.decide(self.state, seen, now)
+        for note in notes:
+            self._record(note)
+        for action in actions:
+            self._act(action)
+        self._write_state()
+        return actions
+
+    def _act(self, action: Action) -> None:
+        from dtrain.control.gcp import instances
+
+        name, zone = action.node, self.cfg.zone
+        if action.kind == "start":
+            try:
+                instances.start(self.gcp, zone, name)
+            except instances.NoCapacity as e:
+                note = logic.start_failed(self.state, name, time.time(), str(e), no_capacity=True)
+            except Exception as e:  # noqa: BLE001 - recorded, tried again after the backoff
+                note = logic.start_failed(
+                    self.state, name, time.time(), instances.describe(self.gcp, e), no_capacity=False
+                )
+            else:
+                note = logic.started(self.state, name, time.time())
+            if note:
+                self._record(note)
+        elif action.kind == "resume":
+            command = f"scontrol update nodename={shlex.quote(name)} state=resume"
+            if os.geteuid() != 0 and isinstance(self.shell, LocalShell):
+                command = f"sudo -n {command}"
+            p = self.shell(command)
+            err = (p.stderr or "").strip()
+            # "Invalid node state specified": it is already back (ReturnToService=2 returns it at registration).
+            if p.returncode == 0 or "Invalid node state" in err:
+                self._record(logic.resumed(self.state, name, time.time()))
+            else:
+                self.events.warning(f"scontrol resume {name}: {err}")
+        elif action.kind in ("stop", "delete"):
+            self._record(Note("autostop", name, f"autostop: {action.kind} {name} (idle since "
+                                                f"{logic.hhmm(self.state.idle_since or time.time())})"))  # fmt: skip
+            if name == self.cfg.master:
+                self.state.stopped = True
+                self._write_state()  # before the last call: this machine stops under us
+            try:
+                getattr(instances, action.kind)(self.gcp, zone, name)
+            except Exception as e:  # noqa: BLE001
+                self.events.warning(f"autostop: {action.kind} {name}: {instances.describe(self.gcp, e)}")
+
+    # -- record -------------------------------------------------------------------------------------
+
+    def _record(self, note: Note) -> None:
+        """The service's log, and each affected run's events.jsonl (the runs' own events format)."""
+        self.events.emit(note.kind, note.message, node=note.node, jobs=list(note.jobs))
+        if not note.jobs:
+            return
+        from dtrain.common.metrics import record_event
+        from dtrain.common.storage import open_store
+
+        missing = tuple(j for j in note.jobs if j not in self._urls)
+        if missing:
+            self._urls.update(self._run_urls(missing))
+        for job in note.jobs:
+            url = self._urls.get(job)
+            if url is None:
+                self.events.warning(f"{note.kind} {note.node}: job {job}'s run not found: not recorded in its events")
+                continue
+            with contextlib.suppress(Exception):
+                record_event(open_store(url), None, note.kind, note.message, node=note.node, job=job,
+                             source="dtrain-service")  # fmt: skip
+
+    def _run_urls(self, jobs: tuple[str, ...]) -> dict[str, str]:
+        from dtrain.control.slurm.jobs import JOBS_DIR
+
+        paths = " ".join(shlex.quote(f"{self.cfg.workdir}/{JOBS_DIR}/{j}.json") for j in jobs)
+        p = self.shell(f'for f in {paths}; do cat "$f" 2>/dev/null; echo; done')
+        out: dict[str, str] = {}
+        for line in p.stdout.splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                rec = json.loads(line)
+                out[str(rec["job_id"])] = rec["url"]
+        return out
+
+    def _write_state(self) -> None:
+        path = Path(self.cfg.state_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = self.state.as_dict()
+        data["lines"] = logic.describe(self.state, time.time())
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".state-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+
+    # -- run ----------------------------------------------------------------------------------------
+
+    def run(self, handle: Handle | None = None, *, max_polls: int | None = None) -> None:
+        """Poll until asked to stop, or until autostop has stopped the master (this machine)."""
+        handle = handle or Handle()
+        polls = 0
+        while not handle.stopped and not self.state.stopped:
+            started = time.monotonic()
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - one bad poll must not end the service
+                self.events.warning(f"poll failed: {type(e).__name__}: {e}")
+            polls += 1
+            if max_polls is not None and polls >= max_polls:
+                return
+            end = started + self.cfg.poll_s
+            while time.monotonic() < end and not handle.stopped:
+                time.sleep(min(0.2, max(0.0, end - time.monotonic())))

@@ -1,0 +1,254 @@
+"""The cluster service (dtrain.service) against the Compute fake, with Slurm's answers scripted: it acts only
+on a confirmed preemption, waits out a zone without capacity (and says so), returns the node to Slurm, records
+the events in the run, and autostops workers first, the master last. Also `start_cluster` (what submit and up
+do to a stopped cluster). The same service against a real Slurm: tests/slurm/test_service_bed.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dtrain.control.events import Collector, Handle
+from dtrain.control.gcp import instances
+from dtrain.service import logic
+from dtrain.service.daemon import Service, ServiceConfig, expand_hostlist, parse_duration
+
+from .conftest import REGION
+
+ZONE = f"{REGION}-a"
+LABELS = {"dtrain-cluster": "demo"}
+MASTER, WORKER = "demo-master", "demo-worker-0"
+
+
+class FakeMaster:
+    """The master's shell as the service uses it: Slurm's answers set by the test, the rest run here."""
+
+    def __init__(self) -> None:
+        self.squeue = ""
+        self.sinfo = f"{MASTER}|idle\n{WORKER}|idle\n"
+        self.sessions = 0
+        self.commands: list[str] = []
+
+    def __call__(self, command: str) -> subprocess.CompletedProcess:
+        self.commands.append(command)
+        if command.startswith("squeue"):
+            return subprocess.CompletedProcess(command, 0, self.squeue, "")
+        if command.startswith("sinfo"):
+            return subprocess.CompletedProcess(command, 0, self.sinfo, "")
+        if command.startswith("scontrol"):
+            return subprocess.CompletedProcess(command, 0, "", "")
+        if "pgrep" in command:
+            return subprocess.CompletedProcess(command, 0, f"{self.sessions}\n", "")
+        return subprocess.run(["sh", "-c", command], capture_output=True, text=True, check=False)
+
+
+@pytest.fixture
+def cluster(world, tmp_path: Path):
+    world.polls_to_finish = 1
+    world.add_instance(ZONE, MASTER, labels=LABELS, internal_ip="10.0.0.2")
+    world.add_instance(ZONE, WORKER, labels=LABELS, spot=True, internal_ip="10.0.0.3")
+    work = tmp_path / "work"
+    (work / "jobs").mkdir(parents=True)
+    run = tmp_path / "runs" / "mnist-1"
+    run.mkdir(parents=True)
+    (work / "jobs" / "7.json").write_text(json.dumps({"job_id": "7", "url": str(run)}))
+    return work, run
+
+
+def service(gcp, work: Path, master: FakeMaster, **kw) -> Service:
+    state = str(work / "service" / "state.json")
+    cfg = ServiceConfig(cluster="demo", project=gcp.project, zone=ZONE, master=MASTER, workers=[WORKER],
+                        workdir=str(work), state_file=state, poll_s=0.01, **kw)  # fmt: skip
+    return Service(cfg, gcp=gcp, shell=master, events=Collector())
+
+
+def starts(world) -> int:
+    return world.called("POST", r"/instances/[^/]+/start$")
+
+
+def events(run: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run / "events.jsonl").read_text().splitlines()]
+
+
+def test_a_failed_status_call_or_a_plain_stop_restarts_nothing(gcp, world, cluster):
+    work, _ = cluster
+    master = FakeMaster()
+    master.squeue = f"7|RUNNING|None|{MASTER},{WORKER}\n"
+    svc = service(gcp, work, master)
+    world.fail_status_once()
+    assert svc.step() == []
+    state = json.loads((work / "service" / "state.json").read_text())
+    assert "Internal error" in state["status_error"]
+    assert any("status calls failing since" in line for line in state["lines"]), state["lines"]
+    world.instances[(ZONE, WORKER)]["status"] = "TERMINATED"  # stopped by someone: no preempted operation
+    assert svc.step() == [] and svc.step() == []
+    assert starts(world) == 0
+    assert svc.state.status_error == ""
+
+
+def test_a_preempted_worker_is_started_once_and_returned_to_slurm(gcp, world, cluster):
+    work, run = cluster
+    master = FakeMaster()
+    master.squeue = f"7|RUNNING|None|{MASTER},{WORKER}\n"
+    svc = service(gcp, work, master)
+    svc.step()  # sees job 7 on both nodes
+    world.mark_preempted(ZONE, WORKER)
+    master.squeue = "7|PENDING|BeginTime|\n"  # Slurm requeued it
+    master.sinfo = f"{MASTER}|idle\n{WORKER}|down*\n"
+    assert [a.kind for a in svc.step()] == ["start"]
+    assert world.instances[(ZONE, WORKER)]["status"] == "RUNNING"
+    assert svc.step() == []  # its slurmd does not answer yet
+    master.sinfo = f"{MASTER}|idle\n{WORKER}|down\n"
+    assert [a.kind for a in svc.step()] == ["resume"]
+    assert any(c.startswith(f"scontrol update nodename={WORKER} state=resume") for c in master.commands)
+    assert svc.step() == [] and starts(world) == 1
+    assert svc.state.nodes[WORKER].restarts == 1
+    rows = events(run)
+    assert [(r["event"], r["node"], r["job"]) for r in rows] == [
+        ("preempted", WORKER, "7"), ("restarted", WORKER, "7"), ("resumed", WORKER, "7")
+    ]  # fmt: skip
+    lines = json.loads((work / "service" / "state.json").read_text())["lines"]
+    assert any(f"{WORKER}: 1 restart(s) after preemption" in line for line in lines), lines
+
+
+def test_no_capacity_backs_off_and_says_since_when(gcp, world, cluster, monkeypatch):
+    work, run = cluster
+    monkeypatch.setattr(logic, "START_BACKOFF_S", 0.0)
+    master = FakeMaster()
+    master.squeue = f"7|RUNNING|None|{MASTER},{WORKER}\n"
+    svc = service(gcp, work, master)
+    svc.step()
+    world.mark_preempted(ZONE, WORKER)
+    world.refuse_starts(3)
+    seen_lines = []
+    for _ in range(3):
+        assert [a.kind for a in svc.step()] == ["start"]
+        seen_lines += json.loads((work / "service" / "state.json").read_text())["lines"]
+    waiting = [ln for ln in seen_lines if "waiting for capacity in us-central1-a since" in ln]
+    assert len(waiting) == 3, seen_lines
+    assert world.instances[(ZONE, WORKER)]["status"] == "TERMINATED"
+    svc.step()
+    assert starts(world) == 4 and world.instances[(ZONE, WORKER)]["status"] == "RUNNING"
+    kinds = [r["event"] for r in events(run)]
+    assert kinds == ["preempted", "waiting-capacity", "restarted"], kinds  # one note for the wait, not three
+
+
+def test_backoff_grows_and_is_capped():
+    assert [logic.backoff(n) for n in (1, 2, 3)] == [5.0, 10.0, 20.0]
+    assert logic.backoff(50) == logic.START_BACKOFF_CAP_S
+
+
+def test_autostop_stops_workers_then_the_master(gcp, world, cluster):
+    work, _ = cluster
+    master = FakeMaster()
+    svc = service(gcp, work, master, autostop="1s")
+    master.squeue = "9|PENDING|Resources|\n"  # a job that can run keeps the cluster up
+    svc.step(now=1000.0)
+    svc.step(now=1010.0)
+    assert svc.state.idle_since is None
+    master.squeue, master.sessions = "", 1  # someone logged in
+    svc.step(now=1020.0)
+    assert svc.state.idle_since is None
+    master.sessions = 0
+    master.squeue = "9|PENDING|JobHeldUser|\n"  # held: never runs on its own (skypilot#9926)
+    assert svc.step(now=1030.0) == []
+    assert svc.state.idle_since == 1030.0
+    actions = svc.step(now=1031.5)
+    assert [(a.kind, a.node) for a in actions] == [("stop", WORKER), ("stop", MASTER)]
+    stops = [p for m, p, _ in world.requests if m == "POST" and p.endswith("/stop")]
+    assert [p.split("/")[-2] for p in stops] == [WORKER, MASTER]  # the master's stop is the last call
+    assert {world.instances[(ZONE, n)]["status"] for n in (MASTER, WORKER)} == {"TERMINATED"}
+    assert svc.state.stopped
+    svc.run(Handle(), max_polls=5)  # ends at once: the machine it runs on is stopping
+    assert len(stops) == len([p for m, p, _ in world.requests if m == "POST" and p.endswith("/stop")])
+
+
+def test_autostop_skips_a_worker_already_stopped(gcp, world, cluster):
+    work, _ = cluster
+    world.add_instance(ZONE, "demo-worker-1", labels=LABELS, status="TERMINATED", internal_ip="10.0.0.4")
+    cfg_workers = [WORKER, "demo-worker-1"]
+    svc = service(gcp, work, FakeMaster(), autostop="5s")
+    svc.cfg.workers = svc.state.workers = cfg_workers
+    svc.step(now=0.0)
+    assert [(a.kind, a.node) for a in svc.step(now=5.0)] == [("stop", WORKER), ("stop", MASTER)]
+
+
+def test_autostop_delete(gcp, world, cluster):
+    work, _ = cluster
+    svc = service(gcp, work, FakeMaster(), autostop="5s", autostop_action="delete")
+    svc.step(now=0.0)
+    assert [(a.kind, a.node) for a in svc.step(now=5.0)] == [("delete", WORKER), ("delete", MASTER)]
+    assert not world.instances
+
+
+def test_autostop_off_and_durations():
+    assert parse_duration("30m") == 1800 and parse_duration("90s") == 90 and parse_duration("2h") == 7200
+    assert parse_duration("off") is None and parse_duration("0") is None and parse_duration(None) == 3600
+    with pytest.raises(ValueError, match="autostop = 'soon'"):
+        parse_duration("soon")
+    assert expand_hostlist("h[0-1,3],w-00") == ("h0", "h1", "h3", "w-00")
+    assert expand_hostlist("n[08-10]") == ("n08", "n09", "n10")
+
+
+def test_start_cluster_starts_the_master_first_and_waits_for_capacity(gcp, world, cluster):
+    for name in (MASTER, WORKER):
+        world.instances[(ZONE, name)]["status"] = "TERMINATED"
+    world.refuse_starts(2, name=WORKER)
+    ev = Collector()
+    r = instances.start_cluster(gcp, ZONE, "demo", [MASTER, WORKER], events=ev, handle=Handle(), backoff_s=0.0)
+    assert r.started == (MASTER, WORKER)
+    started = [p.split("/")[-2] for m, p, _ in world.requests if m == "POST" and p.endswith("/start")]
+    assert started == [MASTER, WORKER, WORKER, WORKER]
+    assert sum("waiting for capacity in us-central1-a" in e.message for e in ev.events) == 2
+    again = instances.start_cluster(gcp, ZONE, "demo", [MASTER, WORKER], events=ev, handle=Handle())
+    assert again.started == ()
+
+
+def test_start_cluster_names_deleted_nodes(gcp, world, cluster):
+    del world.instances[(ZONE, WORKER)]
+    from dtrain.common.errors import UserError
+
+    with pytest.raises(UserError, match="demo-worker-0 no longer exist.*dtrain up --cluster demo"):
+        instances.start_cluster(gcp, ZONE, "demo", [MASTER, WORKER], events=Collector(), handle=Handle())
+
+
+def test_ensure_running_starts_a_stopped_cluster_and_refreshes_its_addresses(
+    gcp, world, cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """What `dtrain submit`/`up` do first on a gcp cluster: start what is stopped (the master first), take
+    the new external IPs into the record, wait for the nodes; after autostop_action = "delete", `up` starts
+    what is left and leaves the rest to Terraform."""
+    from dtrain.control.gcp import lifecycle
+    from dtrain.control.gcp.record import key_path, read_record, write_record
+    from dtrain.control.settings import cluster_config
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    for name in ("DTRAIN_GCP_COMPUTE_ENDPOINT", "DTRAIN_GCP_API_ENDPOINT"):
+        monkeypatch.setenv(name, gcp.endpoint)
+    nodes = [{"name": n, "role": r, "internal_ip": ip, "external_ip": "34.0.0.1", "gpus": 0}
+             for n, r, ip in ((MASTER, "master", "10.0.0.2"), (WORKER, "worker", "10.0.0.3"))]  # fmt: skip
+    write_record({"name": "demo", "project": gcp.project, "zone": ZONE, "bucket": "gs://b", "ssh_user": "dtrain",
+                  "nodes": nodes})  # fmt: skip
+    key_path("demo").write_text("key")
+    toml = tmp_path / "dtrain.toml"
+    toml.write_text(f'[clusters.demo]\nbackend = "gcp"\nproject = "{gcp.project}"\nzone = "{ZONE}"\n'
+                    'ssh_source_ranges = ["203.0.113.7/32"]\n')  # fmt: skip
+    cfg = cluster_config(toml, "demo")
+    waited: list[list[str]] = []
+    monkeypatch.setattr(lifecycle, "wait_ready", lambda c, **kw: waited.append([n.ssh_host for n in c.nodes]))
+    assert lifecycle.ensure_running(cfg, events=Collector(), handle=Handle()) is False  # running: nothing to do
+    for name, ip in ((MASTER, "35.0.0.2"), (WORKER, "35.0.0.3")):
+        world.instances[(ZONE, name)]["status"] = "TERMINATED"
+        world.instances[(ZONE, name)]["networkInterfaces"][0]["accessConfigs"] = [{"natIP": ip}]
+    assert lifecycle.ensure_running(cfg, events=Collector(), handle=Handle()) is True
+    assert [p.split("/")[-2] for m, p, _ in world.requests if p.endswith("/start")] == [MASTER, WORKER]
+    assert waited == [["35.0.0.2", "35.0.0.3"]]
+    assert [n["external_ip"] for n in read_record("demo")["nodes"]] == ["35.0.0.2", "35.0.0.3"]
+
+    del world.instances[(ZONE, WORKER)]
+    world.instances[(ZONE, MASTER)]["status"] = "TERMINATED"
+    assert lifecycle.ensure_running(cfg, events=Collector(), handle=Handle(), missing_ok=True) is True
+    assert world.instances[(ZONE, MASTER)]["status"] == "RUNNING" and len(waited) == 1
