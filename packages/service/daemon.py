@@ -41,7 +41,8 @@ SESSIONS = (
     'ns=$(readlink /proc/$p/ns/net 2>/dev/null || echo "$me"); [ "$ns" = "$me" ] && n=$((n+1)); '
     "done; echo $n"
 )
-SQUEUE = "squeue -h -o '%i|%T|%r|%N'"
+SQUEUE = "squeue -h -o '%i|%T|%r|%N|%M'"  # id, state, reason, nodes, elapsed ([D-]HH:MM:SS)
+STALL_CHECK_S = 60.0  # how often a long-running job's last metrics line is read again
 SINFO = "sinfo -h -N -o '%N|%t'"
 
 
@@ -74,6 +75,7 @@ class ServiceConfig:
     workers: list[str]
     autostop: str = "60m"
     autostop_action: str = "stop"
+    stall_after: str = "30m"  # a running job whose metrics have not advanced this long is not activity
     workdir: str  # the Slurm login workdir: its jobs/ table names each job's run
     state_file: str  # where the CLI reads the state (`dtrain jobs`, `dtrain status`)
     poll_s: float = POLL_S
@@ -82,6 +84,13 @@ class ServiceConfig:
         if self.autostop_action not in ("stop", "delete"):
             raise ValueError(f'autostop_action = {self.autostop_action!r}: expected "stop" or "delete"')
         parse_duration(self.autostop)
+        self.stall_after_s  # noqa: B018 - checked here, used each poll
+
+    @property
+    def stall_after_s(self) -> float:
+        from dtrain.control.cluster import duration
+
+        return duration(self.stall_after, "stall_after", "the service's config")
 
     @classmethod
     def load(cls, path: Path) -> ServiceConfig:
@@ -150,6 +159,7 @@ class Service:
         self.events = events or Events()
         self.state = self._load_state()
         self._urls: dict[str, str] = {}  # job id -> its run's URL (the job table's entry)
+        self._stall_checked: dict[str, tuple[float, dict[str, Any]]] = {}  # job -> (when read, last metrics line)
 
     def _load_state(self) -> State:
         fresh = State(
@@ -167,7 +177,7 @@ class Service:
 
     # -- look ---------------------------------------------------------------------------------------
 
-    def look(self) -> Seen:
+    def look(self, now: float | None = None) -> Seen:
         from dtrain.control.gcp.api import node_states
 
         names = [self.cfg.master, *self.cfg.workers]
@@ -180,19 +190,59 @@ class Service:
             }
         except Exception as e:  # noqa: BLE001 - any failure is "no answer", never "not running"
             vms, error = None, " ".join(str(e).split())[:300]
-        return Seen(vms=vms, vm_error=error, jobs=self._jobs(), slurm_up=self._slurm_up(), sessions=self._sessions())
+        jobs = self._jobs(time.time() if now is None else now)
+        return Seen(vms=vms, vm_error=error, jobs=jobs, slurm_up=self._slurm_up(), sessions=self._sessions())
 
-    def _jobs(self) -> tuple[Job, ...] | None:
+    def _jobs(self, now: float) -> tuple[Job, ...] | None:
         p = self.shell(SQUEUE)
         if p.returncode != 0:
             return None
         jobs = []
         for line in p.stdout.splitlines():
             parts = line.strip().split("|")
-            if len(parts) == 4:
+            if len(parts) in (4, 5):
                 nodes = expand_hostlist(parts[3]) if parts[3] and parts[3] != "(null)" else ()
-                jobs.append(Job(parts[0], parts[1], parts[2], nodes))
+                elapsed = parts[4] if len(parts) == 5 else ""
+                stalled = parts[1] == "RUNNING" and self._stalled(parts[0], elapsed, now)
+                jobs.append(Job(parts[0], parts[1], parts[2], nodes, stalled=stalled))
         return tuple(jobs)
+
+    def _stalled(self, job: str, elapsed: str, now: float) -> bool:
+        """Whether a running job's run has logged no metrics line for stall_after (the rule `dtrain jobs`
+        shows: dtrain.control.slurm.jobs.stall_since). Its last line is read only once the job has run that
+        long, and then at most every STALL_CHECK_S; a run that cannot be read is not called stalled."""
+        from dtrain.control.slurm.commands import JobState
+        from dtrain.control.slurm.jobs import elapsed_seconds, stall_since
+
+        stall_after = self.cfg.stall_after_s
+        if not elapsed or elapsed_seconds(elapsed) < stall_after:
+            return False
+        checked = self._stall_checked.get(job)
+        if checked is None or now - checked[0] >= STALL_CHECK_S:
+            last = self._last_metrics(job)
+            if last is None:
+                return False
+            checked = self._stall_checked[job] = (now, last)
+        state = JobState(job_id=job, name="", state="RUNNING", elapsed=elapsed)
+        return stall_since(state, checked[1], stall_after=stall_after, now=now) is not None
+
+    def _last_metrics(self, job: str) -> dict[str, Any] | None:
+        """The job's run's last metrics.jsonl line ({} before its first), None if its run is not known."""
+        from dtrain.common.storage import is_remote, open_store
+        from dtrain.control.slurm.jobs import last_line
+
+        if job not in self._urls:
+            self._urls.update(self._run_urls((job,)))
+        url = self._urls.get(job)
+        if url is None:
+            return None
+        try:
+            if is_remote(url):
+                return last_line(open_store(url).read_bytes("metrics.jsonl").decode())
+            p = self.shell(f"tail -n 1 {shlex.quote(url + '/metrics.jsonl')} 2>/dev/null")
+            return last_line(p.stdout)
+        except Exception:  # noqa: BLE001 - unreadable is unknown, never "stalled"
+            return None
 
     def _slurm_up(self) -> frozenset[str] | None:
         """Nodes whose slurmd answers (sinfo marks the others with "*"), whatever their state (a DOWN node
@@ -219,7 +269,7 @@ class Service:
     def step(self, now: float | None = None) -> list[Action]:
         """One poll: look, decide, act, record. The actions taken."""
         now = time.time() if now is None else now
-        seen = self.look()
+        seen = self.look(now)
         actions, notes = logic.decide(self.state, seen, now)
         for note in notes:
             self._record(note)

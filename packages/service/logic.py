@@ -53,9 +53,13 @@ class Job:
     state: str  # PENDING, RUNNING, COMPLETING, ...
     reason: str
     nodes: tuple[str, ...]  # where it runs (empty while pending)
+    stalled: bool = False  # running, but its run's metrics have not advanced for stall_after
 
     @property
     def keeps_busy(self) -> bool:
+        """A stalled job holds its nodes but does no work (skypilot#715, #10628): not activity."""
+        if self.stalled:
+            return False
         return self.state != "PENDING" or self.reason.split(",")[0].strip() not in NEVER_RUNS
 
 

@@ -234,6 +234,23 @@ def test_up_imports_the_key_to_os_login_where_required_and_down_removes_it(cli, 
     assert not (d / "os_login.json").exists()
 
 
+def test_preflight_needs_the_permission_to_create_the_service_role(cli, world):
+    """`up` creates the cluster service's custom role (infra/iam.tf): without iam.roles.create, preflight says
+    so in seconds instead of Terraform failing mid-apply."""
+    table = TABLE.format(state="tfstate-role")
+    world.granted = {"compute.instances.osAdminLogin", "iap.tunnelInstances.accessViaIAP"}
+    r = cli(table, "preflight", "--cluster", "demo")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert last_line(r) == (
+        "error: you lack iam.roles.create on project dtrain-test, which the cluster service's custom role "
+        "(infra/iam.tf) needs: ask for roles/iam.roleAdmin (gcloud projects add-iam-policy-binding dtrain-test "
+        "--member=user:YOU --role=roles/iam.roleAdmin)"
+    )
+    world.granted = None
+    r = cli(table, "preflight", "--cluster", "demo")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_os_login_needs_the_admin_login_permission_and_its_api(cli, world):
     table = TABLE.format(state="tfstate-osl2") + "os_login = true\n"
     world.granted = set()

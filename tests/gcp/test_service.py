@@ -166,6 +166,35 @@ def test_autostop_stops_workers_then_the_master(gcp, world, cluster):
     assert len(stops) == len([p for m, p, _ in world.requests if m == "POST" and p.endswith("/stop")])
 
 
+def test_a_stalled_job_does_not_keep_the_cluster_up(gcp, world, cluster):
+    """A running job whose run has logged no metrics line for stall_after holds its nodes but does no work
+    (skypilot#715, #10628): autostop stops the cluster under it. One whose metrics advance keeps it up."""
+    work, run = cluster
+    master = FakeMaster()
+    svc = service(gcp, work, master, autostop="60s", stall_after="10m")
+    t0 = 100_000.0
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 5, "time": t0 - 30}) + "\n")
+    master.squeue = f"7|RUNNING|None|{MASTER},{WORKER}|01:00:00\n"  # an hour in; its last line 30 s ago
+    assert svc.step(now=t0) == []
+    assert svc.step(now=t0 + 30) == []  # read a minute ago at most: not read again
+    assert svc.step(now=t0 + 61) == [] and svc.state.idle_since is None  # advancing: activity
+    assert svc.step(now=t0 + 630) == []  # 660 s since its last line: stalled, so the idle clock starts
+    assert svc.state.idle_since == t0 + 630
+    actions = svc.step(now=t0 + 691)
+    assert [(a.kind, a.node) for a in actions] == [("stop", WORKER), ("stop", MASTER)]
+    assert sum("metrics.jsonl" in c for c in master.commands) == 4  # 5 polls: read at most once a minute
+
+
+def test_a_job_whose_run_cannot_be_read_is_not_called_stalled(gcp, world, cluster):
+    work, run = cluster
+    master = FakeMaster()
+    svc = service(gcp, work, master, autostop="1s", stall_after="1m")
+    master.squeue = f"8|RUNNING|None|{MASTER}|01:00:00\n"  # job 8 is not in the job table
+    svc.step(now=1000.0)
+    svc.step(now=1100.0)
+    assert svc.state.idle_since is None and not svc.state.stopping
+
+
 def test_autostop_skips_a_worker_already_stopped(gcp, world, cluster):
     work, _ = cluster
     world.add_instance(ZONE, "demo-worker-1", labels=LABELS, status="TERMINATED", internal_ip="10.0.0.4")

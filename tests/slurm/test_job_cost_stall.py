@@ -113,13 +113,13 @@ def metrics_of_a_run(run: Path, steps: int) -> dict:
     as `dtrain jobs` reads it (its own reader)."""
     from dtrain.common.metrics import Reporter
     from dtrain.common.storage import open_store
-    from dtrain.control.slurm.jobs import _last_line
+    from dtrain.control.slurm.jobs import last_line
 
     reporter = Reporter(enabled=True, store=open_store(str(run)))
     for step in range(1, steps + 1):
         reporter.log(step, loss=1.0 / step)
     reporter.close()
-    return _last_line((run / "metrics.jsonl").read_text())
+    return last_line((run / "metrics.jsonl").read_text())
 
 
 def test_a_running_job_whose_metrics_stopped_is_stalled_since_its_last_line(tmp_path: Path) -> None:

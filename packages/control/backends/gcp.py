@@ -94,7 +94,9 @@ def _install_service(cfg: ClusterConfig, cluster: Cluster, events: Any) -> None:
     with SSH(cluster) as ssh:
         w = shlex.quote(cluster.master.workdir)
         workdir = ssh.run(cluster.master, f"mkdir -p {w} && cd {w} && pwd").stdout.decode().strip()
-        service_setup.install(ssh, cluster, rec, workdir, gs.autostop, gs.autostop_action, events)
+        service_setup.install(
+            ssh, cluster, rec, workdir, gs.autostop, gs.autostop_action, events, stall_after=gs.stall_after
+        )
 
 
 class Gcp:

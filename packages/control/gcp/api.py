@@ -97,12 +97,15 @@ ROLE_FOR_PERMISSION = (
     ("serviceusage.", "roles/serviceusage.serviceUsageConsumer"),
     ("orgpolicy.", "roles/orgpolicy.policyViewer"),
     ("iap.tunnelInstances.", "roles/iap.tunnelResourceAccessor"),
+    ("iam.roles.", "roles/iam.roleAdmin"),
 )
-# The permissions a way of logging in needs, and the role that grants each (Google's predefined
-# roles: OS Login with sudo, which `sudo docker` needs; IAP-secured Tunnel User).
+# Permissions `up` needs beyond making VMs, what needs each, and the predefined role that grants it: the
+# cluster service's custom role (infra/iam.tf; Role Administrator), and the ways of logging in (OS Login
+# with sudo, which `sudo docker` needs; IAP-secured Tunnel User).
 ACCESS_PERMISSIONS = {
-    "compute.instances.osAdminLogin": "roles/compute.osAdminLogin",
-    "iap.tunnelInstances.accessViaIAP": "roles/iap.tunnelResourceAccessor",
+    "iam.roles.create": ("roles/iam.roleAdmin", "the cluster service's custom role (infra/iam.tf)"),
+    "compute.instances.osAdminLogin": ("roles/compute.osAdminLogin", "logging in to the nodes"),
+    "iap.tunnelInstances.accessViaIAP": ("roles/iap.tunnelResourceAccessor", "logging in to the nodes"),
 }
 REQUIRE_OS_LOGIN = "constraints/compute.requireOsLogin"
 EXTERNAL_IP_ACCESS = "constraints/compute.vmExternalIpAccess"

@@ -245,6 +245,7 @@ def _access_check(ctx: Context, report: PreflightReport, derived: dict[str, Any]
         for p, needed in (
             ("compute.instances.osAdminLogin", os_login),
             ("iap.tunnelInstances.accessViaIAP", not s.external_ip),
+            ("iam.roles.create", True),
         )
         if needed
     ]
@@ -254,10 +255,10 @@ def _access_check(ctx: Context, report: PreflightReport, derived: dict[str, Any]
         missing = []
         report.notes.append(f"could not check your permissions ({e})")
     for permission in missing:
-        role = api.ACCESS_PERMISSIONS[permission]
+        role, purpose = api.ACCESS_PERMISSIONS[permission]
         _config_problem(
             report,
-            f"you lack {permission} on project {ctx.project}, which logging in to the nodes needs: ask for {role} "
+            f"you lack {permission} on project {ctx.project}, which {purpose} needs: ask for {role} "
             f"(gcloud projects add-iam-policy-binding {ctx.project} --member=user:YOU --role={role})",
         )
     if os_login:

@@ -59,7 +59,9 @@ WantedBy=multi-user.target
 SUDOERS = "{user} ALL=(root) NOPASSWD: /usr/bin/scontrol update nodename=* state=resume\n"
 
 
-def service_config(cluster: Cluster, rec: dict[str, Any], workdir: str, autostop: str, action: str) -> dict[str, Any]:
+def service_config(
+    cluster: Cluster, rec: dict[str, Any], workdir: str, autostop: str, action: str, stall_after: str = "30m"
+) -> dict[str, Any]:
     """ServiceConfig's JSON for this cluster (instance names are Slurm's node names on dtrain's clusters)."""
     return {
         "cluster": rec["name"],
@@ -69,6 +71,7 @@ def service_config(cluster: Cluster, rec: dict[str, Any], workdir: str, autostop
         "workers": [n.name for n in cluster.nodes[1:]],
         "autostop": autostop,
         "autostop_action": action,
+        "stall_after": stall_after,
         "workdir": workdir,
         "state_file": f"{workdir}/service/state.json",
     }
@@ -139,9 +142,9 @@ if [ "$changed" = 1 ] || ! systemctl is-active -q dtrain-service; then systemctl
 
 
 def install(ssh: Any, cluster: Cluster, rec: dict[str, Any], workdir: str, autostop: str, action: str,
-            events: Events) -> None:  # fmt: skip
+            events: Events, stall_after: str = "30m") -> None:  # fmt: skip
     """Install or update the service on the master over `ssh` (dtrain.control.ssh.SSH), as root (sudo)."""
-    files = service_files(service_config(cluster, rec, workdir, autostop, action))
+    files = service_files(service_config(cluster, rec, workdir, autostop, action, stall_after))
     archive = service_archive()
     digest = hashlib.sha256(archive).hexdigest()[:12]
     script = install_script(files, cluster.master.user or "root", workdir, digest)

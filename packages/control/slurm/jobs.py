@@ -513,7 +513,7 @@ def _last_metrics(s: Session, records: list[JobRecord]) -> dict[str, dict[str, A
         if is_remote(r.url):
             with contextlib.suppress(Exception):
                 text = open_store(r.url).read_bytes("metrics.jsonl").decode()
-                out[r.run_id] = _last_line(text)
+                out[r.run_id] = last_line(text)
         else:
             paths.append(r)
     if paths:
@@ -523,11 +523,11 @@ def _last_metrics(s: Session, records: list[JobRecord]) -> dict[str, dict[str, A
         )
         for line in s.slurm.run(command).splitlines():
             run_id, _, text = line.partition(" ")
-            out[run_id] = _last_line(text)
+            out[run_id] = last_line(text)
     return out
 
 
-def _last_line(text: str) -> dict[str, Any]:
+def last_line(text: str) -> dict[str, Any]:
     lines = [ln for ln in text.splitlines() if ln.strip()]
     try:
         value = json.loads(lines[-1]) if lines else {}
