@@ -34,8 +34,8 @@ def train(cwd: Path, *args: str, timeout: float = 900) -> dict:
 
 @pytest.mark.skipif(
     not (SHARED_MNIST / "t10k-images-idx3-ubyte.gz").exists(),
-    reason=f"the official MNIST test split is only on the development machines ({SHARED_MNIST}); "
-    "users' clones do not have it",
+    reason="the official MNIST test split is only on the development machines "
+    f"(../shared/data/mnist: {SHARED_MNIST}); users' clones do not have it",
 )
 def test_real_mnist_first_8000_train_last_2000_eval_reach_97_5(tmp_path):
     """The only real MNIST offline is the 10k test split: train on its first 8,000 images with

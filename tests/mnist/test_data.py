@@ -580,8 +580,8 @@ def test_download_unreachable_mirror_reported(isolated, monkeypatch, online):
 
 @pytest.mark.skipif(
     not (SHARED_MNIST / f"{IMAGE_STEMS['test']}.gz").is_file(),
-    reason=f"needs the real MNIST test files in {SHARED_MNIST}, which sit beside the project's own "
-    "checkout on its machines; users' clones do not have them",
+    reason=f"needs the real MNIST test files in ../shared/data/mnist ({SHARED_MNIST}), which sit beside the "
+    "project's own checkout on its machines; users' clones do not have them",
 )
 def test_real_mnist_test_split():
     for stem in (IMAGE_STEMS["test"], LABEL_STEMS["test"]):
