@@ -206,6 +206,7 @@ def test_os_login_refused_in_the_table_where_the_organisation_requires_it_fails_
     assert not (cli.cwd / "config" / "dtrain" / "clusters" / "demo" / "terraform").exists()
 
 
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
 def test_up_imports_the_key_to_os_login_where_required_and_down_removes_it(cli, world):
     world.org_policies[REQUIRE_OS_LOGIN] = {"constraint": REQUIRE_OS_LOGIN, "booleanPolicy": {"enforced": True}}
     table = TABLE.format(state="tfstate-oslogin")

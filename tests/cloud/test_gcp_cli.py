@@ -134,6 +134,7 @@ def test_accelerator_not_in_zone_lists_the_zones_that_have_it(env_for):
     assert "us-central1-a" in r.stdout + r.stderr and "us-central1-c" in r.stdout + r.stderr
 
 
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
 def test_zone_exhausted_says_what_to_do_then_next_zone_retries(env_for, world, gcs_emulator):
     table = CPU.format(state="tfstate-zone") + 'use_gpu = true\naccelerator = "nvidia-l4"\n'
     cwd, env = env_for(table, EXHAUSTED)

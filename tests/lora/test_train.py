@@ -84,6 +84,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path, corpus, re
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
 
 
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
 def test_kill_9_then_resume_gives_the_same_adapter(tmp_path, corpus, reference):
     proc = runs.start(
         ["train", "lora", *ARGS, "--data", str(corpus), "--output", "runs", "--nproc", "2"],

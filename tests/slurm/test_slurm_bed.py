@@ -388,6 +388,7 @@ def test_a_cluster_that_grew_is_reconfigured_under_a_running_job(bed: Env) -> No
     assert "h2 │ slurmd │ ok" in " ".join(doc.stdout.split()), doc.stdout
 
 
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
 def test_a_job_whose_ranks_stop_making_progress_is_shown_stalled(bed: Env) -> None:
     """The job's training processes are frozen (SIGSTOP) while Slurm still has it RUNNING: once its
     metrics.jsonl has not advanced for the table's stall_after (5 s here), `dtrain jobs` says stalled, with
