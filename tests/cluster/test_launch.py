@@ -283,6 +283,7 @@ def test_wrong_key_and_unreachable_node_are_named(cwd: Path, emulator: str, test
     assert time.monotonic() - t0 < 40
 
 
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
 def test_worker_killed_without_restarts_fails_fast(cwd: Path, emulator: str, testbed: Testbed) -> None:
     p = start(cwd, emulator, *MNIST, "--output", bucket(emulator))
     try:

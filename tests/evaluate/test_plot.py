@@ -88,6 +88,7 @@ def test_series_last_value_per_step_wins_and_non_numbers_are_left_out():
     assert c.skipped == ["r metrics.jsonl line 7: not a JSON object, skipped"]
 
 
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
 def test_a_run_in_a_bucket_gets_its_curves_there(gcs_bucket: str, tmp_path: Path):
     """final/curves.png goes through the run's store; `dtrain plot` reads from and writes to gs:// too."""
     from dtrain.common.storage import open_store

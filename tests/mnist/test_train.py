@@ -162,6 +162,7 @@ def test_kill_9_a_rank_then_resume_equals_the_uninterrupted_run(tmp_path, refere
     resume_equals_reference(tmp_path, run, stopped_at, reference)
 
 
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
 def test_a_save_killed_half_way_is_never_used(tmp_path, reference):
     proc, run = start_run(tmp_path, "3")
 
