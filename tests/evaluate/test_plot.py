@@ -8,6 +8,8 @@ import math
 import shutil
 from pathlib import Path
 
+import pytest
+
 from runs import isolated_env
 
 from dtrain.evaluate.curves import parse_metrics, png_size, smooth
