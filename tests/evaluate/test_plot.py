@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from runs import isolated_env
 
 from dtrain.evaluate.curves import parse_metrics, png_size, smooth
