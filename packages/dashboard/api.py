@@ -186,12 +186,11 @@ def submit_job(request: Request, body: JobBody) -> dict[str, Any]:
     """Checked and queued at once; the answer has the job id and where its run goes."""
     from dtrain.control.events import Events, Handle
     from dtrain.control.launch import LaunchRequest
-    from dtrain.control.settings import WORKLOADS, schema
+    from dtrain.control.settings import schema, workload_class
     from dtrain.control.slurm.jobs import submit
 
     dash = _dash(request)
-    if body.workload not in WORKLOADS:
-        raise UserError(f"unknown workload {body.workload!r} (known: {', '.join(sorted(WORKLOADS))})")
+    workload_class(body.workload)  # an unknown one is settings' own one-line error
     known = {k for k, v in schema().items() if v.section in ("run", body.workload)}
     if unknown := sorted(set(body.settings) - known):
         raise UserError(f"unknown setting {unknown[0]!r} for {body.workload} (known: {', '.join(sorted(known))})")
