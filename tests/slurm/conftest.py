@@ -38,6 +38,10 @@ def _load_slurmbed():
 SlurmBed = _load_slurmbed().SlurmBed
 
 
+# Slurm states after which a job does nothing more (a requeued job passes through PENDING, not these).
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "DEADLINE"}
+
+
 @dataclasses.dataclass
 class Env:
     """The test bed, a working directory whose dtrain.toml names clusters `bed` and `user`, and the CLI."""
@@ -93,6 +97,9 @@ class Env:
             row = self.jobs(cluster).get(job, {})
             if row and predicate(row):
                 return row
+            if row.get("state", "").split(" ")[0] in ENDED:  # nothing more will happen to it: say why now
+                log = self.dtrain("logs", job, "--cluster", cluster, timeout=120)
+                pytest.fail(f"job {job} ended before {what or 'the condition'}: {row}\n{log.stdout[-3000:]}")
             time.sleep(1)
         pytest.fail(f"job {job}: {what or 'condition'} not reached in {timeout:.0f} s; last: {row}")
 
