@@ -91,10 +91,33 @@ def job_code(codes: dict[str, int]) -> int:
 
 
 def run_exists(job: dict[str, Any]) -> bool:
-    """Whether the job's run has started before (its config.json exists): then this start resumes it."""
+    """Whether the job's run has started before (its config.json exists): then this start resumes it.
+    Asked with the job's own environment, as its ranks read the run (STORAGE_EMULATOR_HOST, say): the
+    batch step's is Slurm's, which dtrain does not set."""
     if job.get("image"):
         return _run_exists_in_image(job)
-    return exists(job["run_url"])
+    with _environ(job_env(job)):
+        return exists(job["run_url"])
+
+
+def job_env(job: dict[str, Any]) -> dict[str, str]:
+    """The environment dtrain gives the job's processes (the same on every node, save placeholders)."""
+    spec = next(iter(job["specs"].values()))
+    return {k: v for k, v in spec.get("env", {}).items() if not any(t in v for t in TOKENS)}
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def exists(url: str) -> bool:
@@ -354,7 +377,7 @@ def _keep_log(job: dict[str, Any], path: Path) -> None:
     a job that only reads the run (an evaluation: keep_log false), whose log would replace the training's."""
     if job.get("keep_log") is False:
         return
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception), _environ(job_env(job)):
         from dtrain.common.storage import open_store
 
         run = open_store(job["run_url"])

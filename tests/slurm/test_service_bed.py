@@ -5,7 +5,8 @@ A preemption is what GCE does plus what it does to the machine: the fake marks h
 `compute.instances.preempted` operation) and the test kills every process of h1 (testbed crash). The service,
 run here in a thread with Slurm's commands over SSH to h0, starts h1 through the fake; the fake's start hook
 revives h1 (sshd, munged, slurmd, as its init would); the service returns it to Slurm and the requeued job
-resumes from its checkpoint. Runs write to the bed's shared directory, as the other Slurm tests' do (not gs://).
+resumes from its checkpoint. The preemption's runs write to gs:// on the storage emulator (on h0, which is
+never preempted); the other tests' to the bed's shared directory, as the other Slurm tests' do.
 
 Needs root (network namespaces), slurm-wlm, munge and dataset-fashion-mnist, as tests/slurm/test_slurm_bed.py.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import subprocess
 import sys
 import threading
@@ -34,7 +36,7 @@ from dtrain.service import logic  # noqa: E402
 from dtrain.service.daemon import Service, ServiceConfig, SshShell  # noqa: E402
 
 from .conftest import Env  # noqa: E402
-from .test_slurm_bed import final_weights, latest, status  # noqa: E402
+from .test_slurm_bed import latest, status  # noqa: E402
 
 pytestmark = pytest.mark.root
 
@@ -118,13 +120,13 @@ def short_backoff(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-def _preempt(bed: Env, cloud: Cloud, job: str) -> tuple[Path, float]:
+def _preempt(bed: Env, cloud: Cloud, job: str) -> tuple[str, float]:
     """Wait for the job's first checkpoint, then preempt h1: the machine dies and GCE records it. The run's
-    directory, and the time of the preemption."""
+    directory or gs:// URL, and the time of the preemption."""
     row = bed.wait(job, lambda j: j["state"] == "RUNNING", what="RUNNING")
-    run = Path(row["url"])
+    run = row["url"]
     deadline = time.monotonic() + 300
-    while latest(run) < 8:
+    while _latest(run) < 8:
         assert time.monotonic() < deadline, "no checkpoint at step 8"
         time.sleep(0.2)
     at = time.time()
@@ -133,20 +135,70 @@ def _preempt(bed: Env, cloud: Cloud, job: str) -> tuple[Path, float]:
     return run, at
 
 
-def _service_events(run: Path) -> list[tuple[str, str]]:
-    rows = [json.loads(ln) for ln in (run / "events.jsonl").read_text().splitlines() if ln.strip()]
+def _read(run: str, name: str) -> bytes:
+    """A file of a run in a directory or a bucket (STORAGE_EMULATOR_HOST set for gs://)."""
+    from dtrain.common.storage import open_store
+
+    return open_store(run).read_bytes(name)
+
+
+def _latest(run: str) -> int:
+    if not run.startswith("gs://"):
+        return latest(Path(run))
+    from dtrain.common.checkpoint import find_latest
+    from dtrain.common.storage import open_store
+
+    found = find_latest(open_store(run.rstrip("/") + "/checkpoints"))
+    return found.step if found else 0
+
+
+def _json(run: str, name: str) -> dict:
+    return json.loads(_read(run, name))
+
+
+def _weights(run: str) -> dict:
+    from safetensors.torch import load
+
+    return load(_read(run, "final/model.safetensors"))
+
+
+def _service_events(run: str) -> list[tuple[str, str]]:
+    rows = [json.loads(ln) for ln in _read(run, "events.jsonl").decode().splitlines() if ln.strip()]
     return [(r["event"], r.get("node", "")) for r in rows if r.get("source") == "dtrain-service"]
+
+
+@pytest.fixture(scope="module")
+def emulator(bed: Env) -> str:
+    """gcp-storage-emulator on h0 (the master, never preempted here), reachable from every host."""
+    return bed.sb.bed.start_gcs_emulator(bed.sb.host("h0"))
+
+
+@pytest.fixture
+def bucket(emulator: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """gs://<a new bucket>/runs, with STORAGE_EMULATOR_HOST set here, for the CLI (which forwards it to the
+    jobs) and for the service running in this process."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", emulator)
+    name = f"dtrain-preempt-{secrets.token_hex(4)}"
+    storage.Client(project=PROJECT, credentials=AnonymousCredentials()).create_bucket(name)
+    return f"gs://{name}/runs"
 
 
 @pytest.mark.slow
 def test_a_preempted_worker_is_restarted_and_the_job_resumes_exactly(
-    bed: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    bed: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bucket: str
 ) -> None:
-    reference = bed.submit(*SHORT)
+    """A 2-node job writing to gs:// (the emulator): h1 preempted mid-run, started again by the service,
+    returned to Slurm; the requeued job resumes from its checkpoint in the bucket and ends with the weights
+    of an uninterrupted run."""
+    reference = bed.submit(*SHORT, "--output", bucket)
     ref = bed.wait(reference, lambda j: j["state"] == "COMPLETED", what="COMPLETED")
     with Cloud(bed) as cloud:
-        job = bed.submit(*SHORT)
+        job = bed.submit(*SHORT, "--output", bucket)
         run, _ = _preempt(bed, cloud, job)
+        assert run.startswith(bucket + "/"), run
         row = bed.wait(job, lambda j: j["state"] == "COMPLETED", what="COMPLETED after the preemption")
         shown = bed.dtrain("jobs", "--cluster", "bed", "--all")
         # `dtrain status` of the same machines as the gcp cluster they stand for: the Compute fake's view, and
@@ -157,16 +209,18 @@ def test_a_preempted_worker_is_restarted_and_the_job_resumes_exactly(
         st = subprocess.run([*CLI, "--config", str(config), "status", "--cluster", "bed"], cwd=bed.cwd, env=env,
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert cloud.starts() == 1 and cloud.service.state.nodes["h1"].restarts == 1
-    assert row["restarts"] == 1 and row["run_id"] == run.name, row
+    assert row["restarts"] == 1 and run.endswith("/" + row["run_id"]), row
     said = [(e.kind, e.message) for e in cloud.events.events]
     assert _service_events(run) == [("preempted", "h1"), ("restarted", "h1"), ("resumed", "h1")], said
     assert "service:" in shown.stdout and "h1: 1 restart(s) after preemption" in shown.stdout, shown.stdout
     assert st.returncode == 0, st.stdout + st.stderr
     assert "service:" in st.stdout and "h1: 1 restart(s) after preemption" in st.stdout, st.stdout
-    want, got = final_weights(Path(ref["url"])), final_weights(run)
+    want, got = _weights(ref["url"]), _weights(run)
     assert max((want[k].float() - got[k].float()).abs().max().item() for k in want) <= 1e-6
-    assert status(run)["result"]["steps"] == status(Path(ref["url"]))["result"]["steps"]
-    assert len(json.loads((run / "config.json").read_text()).get("resumes", [])) == 1
+    assert _json(run, "status.json")["result"]["steps"] == _json(ref["url"], "status.json")["result"]["steps"]
+    assert len(_json(run, "config.json").get("resumes", [])) == 1
+    for node in ("h0", "h1"):  # each node's log kept in the bucket, with the resume in it
+        assert b"dtrain: resume on " + node.encode() in _read(run, f"logs/{node}.log"), node
 
 
 @pytest.mark.slow
@@ -185,7 +239,7 @@ def test_no_capacity_waits_says_so_and_the_job_completes(bed: Env, short_backoff
     assert cloud.starts() == 4 and row["restarts"] == 1
     assert _service_events(run) == [("preempted", "h1"), ("waiting-capacity", "h1"), ("restarted", "h1"),
                                     ("resumed", "h1")]  # fmt: skip
-    assert status(run)["result"]["steps"] == 31
+    assert _json(run, "status.json")["result"]["steps"] == 31
 
 
 def _gcp_bed(bed: Env, endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

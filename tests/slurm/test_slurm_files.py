@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -135,6 +136,32 @@ def test_a_node_fills_in_the_allocation(tmp_path: Path, image: str) -> None:
         assert spec["argv"][:3] == ["/opt/py/bin/python", "-m", "dtrain.common.launch"]
     user = files(cluster(tmp_path, managed=False)).job
     assert set(user["specs"]) == {"*"}  # a user's cluster: nodes Slurm picks, one spec for all
+
+
+def test_a_requeued_batch_step_reads_the_run_with_the_jobs_environment(
+    tmp_path: Path, gcs_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether a requeued job resumes is asked of its run's store by the batch step, whose environment is
+    Slurm's: it uses the one dtrain gave the job (here STORAGE_EMULATOR_HOST, forwarded at submit), as the
+    ranks that write the run do, and leaves its own as it was. So does each node's step keeping its log."""
+    from dtrain.common.storage import open_store
+
+    emulator = os.environ["STORAGE_EMULATOR_HOST"]
+    job = files(cluster(tmp_path, managed=True)).job
+    assert job["specs"]["n0"]["env"]["STORAGE_EMULATOR_HOST"] == emulator  # forwarded into the job
+    job["run_url"] = f"{gcs_bucket}/mnist-20260101-000000-abcd"
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST")  # as under slurmd
+    assert slurmstep.run_exists(job) is False
+    with monkeypatch.context() as m:
+        m.setenv("STORAGE_EMULATOR_HOST", emulator)
+        open_store(job["run_url"]).write_bytes("config.json", b"{}")
+    assert slurmstep.run_exists(job) is True
+    log = tmp_path / "n0.log"
+    log.write_text("a line\n")
+    slurmstep._keep_log(job, log)  # a node's log, kept under the run, is written the same way
+    assert "STORAGE_EMULATOR_HOST" not in os.environ
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", emulator)
+    assert open_store(job["run_url"]).read_bytes("logs/n0.log") == b"a line\n"
 
 
 def test_a_module_job_runs_one_process_and_keeps_its_log(tmp_path: Path) -> None:
