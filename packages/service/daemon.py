@@ -47,19 +47,17 @@ SINFO = "sinfo -h -N -o '%N|%t'"
 
 
 def parse_duration(text: str | int | float | None, default: str = "60m") -> float | None:
-    """The `autostop` key: a duration as every cluster-table duration is written ("30m", "90s", "2h",
-    "1h30m", or seconds: dtrain.control.cluster.duration); "off"/"0" -> None (autostop disabled)."""
+    """The `autostop` key in seconds (dtrain.control.gcp.spec.autostop_seconds, which `dtrain up` checked
+    the table with); None: autostop off. ValueError for a value that is not one."""
     from dtrain.common.errors import UserError
-    from dtrain.control.cluster import duration
+    from dtrain.control.gcp.spec import autostop_seconds
 
     if text is None:
         text = default
     if isinstance(text, float):
         return text or None
-    if str(text).strip().lower() in ("off", "0", "none", "false", ""):
-        return None
     try:
-        return duration(text if isinstance(text, int) else str(text).strip().lower(), "autostop", "autostop")
+        return autostop_seconds(text)
     except UserError:
         raise ValueError(f'autostop = {text!r}: expected a duration like "30m", "90s", "2h", or "off"') from None
 

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.common.errors import UserError
 from dtrain.control.events import Collector, Handle
 from dtrain.control.gcp import instances
+from dtrain.control.gcp.spec import autostop_seconds, gcp_spec
 from dtrain.service import logic
 from dtrain.service.daemon import Service, ServiceConfig, expand_hostlist, parse_duration
 
@@ -218,6 +220,15 @@ def test_autostop_off_and_durations():
     assert parse_duration("off") is None and parse_duration("0") is None and parse_duration(None) == 3600
     with pytest.raises(ValueError, match="autostop = 'soon'"):
         parse_duration("soon")
+    # The service reads the key as `dtrain up` checked it in the cluster table: one reading, one set of words.
+    for text in ("30m", "1h30m", "90s", "off", "OFF", "0"):
+        assert parse_duration(text) == autostop_seconds(text)
+        assert gcp_spec("demo", {"backend": "gcp", "project": "my-project", "autostop": text}, "t").autostop == text
+    for text in ("soon", "none", "90"):
+        with pytest.raises(UserError, match=r"^t: autostop must be a duration"):
+            gcp_spec("demo", {"backend": "gcp", "project": "my-project", "autostop": text}, "t")
+        with pytest.raises(ValueError, match="expected a duration"):
+            parse_duration(text)
     assert expand_hostlist("h[0-1,3],w-00") == ("h0", "h1", "h3", "w-00")
     assert expand_hostlist("n[08-10]") == ("n08", "n09", "n10")
 

@@ -108,6 +108,18 @@ GCP_KEYS = set(GCP_FIELDS) | {"backend"}
 _TYPES = typing.get_type_hints(GcpSpec)
 
 
+def autostop_seconds(text: str | int, where: str = "autostop") -> float | None:
+    """The `autostop` key in seconds: a duration as every cluster-table duration is written ("30m", "90s",
+    "2h", "1h30m", or seconds: dtrain.control.cluster.duration); None for "off" or 0 (never). The one
+    reading of it: for `dtrain up` (the table) and for the cluster service (its config on the master)."""
+    from dtrain.control.cluster import duration
+
+    value = text if isinstance(text, int) else str(text).strip().lower()
+    if value in ("off", "0", 0):
+        return None
+    return duration(value, "autostop", where)
+
+
 def gcp_spec(name: str, spec: Mapping[str, Any], where: str) -> GcpSpec:
     """Check a [clusters.NAME] table of backend gcp; one line naming the key for each mistake."""
     from dtrain.control.cluster import check_keys
@@ -165,10 +177,7 @@ def _check(s: GcpSpec, where: str) -> None:
         raise UserError(f"{where}: zone {s.zone!r} is not a zone of region {s.region} (like {s.region}-a)")
     if s.autostop_action not in ("stop", "delete"):
         raise UserError(f'{where}: autostop_action must be "stop" or "delete", got {s.autostop_action!r}')
-    if s.autostop.strip().lower() not in ("off", "0"):
-        from dtrain.control.cluster import duration
-
-        duration(s.autostop.strip().lower(), "autostop", where)
+    autostop_seconds(s.autostop, where)
     lo, hi = rules.limits("worker_count")
     if not lo <= s.workers <= hi:
         raise UserError(f"{where}: workers must be {lo}-{hi}, got {s.workers}")
