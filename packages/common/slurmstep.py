@@ -102,7 +102,7 @@ def run_exists(job: dict[str, Any]) -> bool:
 
 def job_env(job: dict[str, Any]) -> dict[str, str]:
     """The environment dtrain gives the job's processes (the same on every node, save placeholders)."""
-    spec = next(iter(job["specs"].values()))
+    spec = next(iter(job.get("specs", {}).values()), {})
     return {k: v for k, v in spec.get("env", {}).items() if not any(t in v for t in TOKENS)}
 
 
