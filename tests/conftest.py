@@ -58,6 +58,19 @@ def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         log.close()
 
 
+@pytest.fixture(autouse=True)
+def _no_storage_emulator_leaks() -> Iterator[None]:
+    """STORAGE_EMULATOR_HOST as it was before each test: a test that points this process at its emulator
+    (some set os.environ for the runs they read in-process) must not point the next module's commands at an
+    emulator that has since stopped, where every gs:// read is retried for minutes."""
+    saved = os.environ.get("STORAGE_EMULATOR_HOST")
+    yield
+    if saved is None:
+        os.environ.pop("STORAGE_EMULATOR_HOST", None)
+    else:
+        os.environ["STORAGE_EMULATOR_HOST"] = saved
+
+
 @pytest.fixture
 def gcs_bucket(gcs_emulator: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """A fresh bucket on the emulator, with STORAGE_EMULATOR_HOST pointing at it; yields gs://<bucket>/some/prefix."""

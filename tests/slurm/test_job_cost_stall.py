@@ -148,6 +148,49 @@ def test_a_running_job_whose_metrics_stopped_is_stalled_since_its_last_line(tmp_
     assert stall_since(None, {}, stall_after=90, now=1e9) is None
 
 
+def test_a_run_that_cannot_be_read_is_not_called_stalled(tmp_path: Path) -> None:
+    """`dtrain jobs` could not read the run's metrics (its bucket unreachable): unknown, not stalled."""
+    spec = {"slurm": True, "nodes": [{"name": "h0", "address": "10.0.0.1"}], "stall_after": "90s"}
+    c = get("hosts").cluster(ClusterConfig(backend="hosts", name="lab", spec=spec, source=str(tmp_path / "t")))
+    state = commands.job_from_scontrol(commands.parse_kv(RUNNING.replace("demo-worker-[0-1]", "h0")))
+    assert job_row(c, record(), state, {}, now=1e9).stalled  # read, and no line for 2 h 30 min
+    row = job_row(c, record(), state, None, now=1e9)
+    assert not row.stalled and row.last_metric == {} and row.as_dict()["stalled"] is False
+
+
+def test_runs_in_buckets_are_read_side_by_side_and_an_unreachable_one_is_not_waited_for(
+    gcs_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last metrics line of each run in a bucket; a bucket that cannot be reached (the storage library
+    retries a refused connection for 2 minutes) is given up after `wait_s` and shows as unread (None)."""
+    import os
+    import socket
+    import threading
+
+    from dtrain.common.storage import open_store
+    from dtrain.control.slurm.jobs import _remote_last_metrics
+
+    def run(run_id: str, url: str) -> JobRecord:
+        return JobRecord("1", "n", "mnist", run_id, url, "/d", 1, 0.0, "lab")
+
+    for i in range(3):
+        open_store(f"{gcs_bucket}/r{i}").write_bytes("metrics.jsonl", f'{{"step": 1}}\n{{"step": {i + 2}}}\n'.encode())
+    live = [run(f"r{i}", f"{gcs_bucket}/r{i}") for i in range(3)] + [run("none", f"{gcs_bucket}/none")]
+    got = _remote_last_metrics(live, readers=2)
+    assert {k: v and v["step"] for k, v in got.items()} == {"r0": 2, "r1": 3, "r2": 4, "none": None}
+
+    with socket.socket() as s:  # a port nothing listens on: every request is refused, and retried
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{s.getsockname()[1]}")
+    assert os.environ["STORAGE_EMULATOR_HOST"].startswith("http://127.0.0.1:")
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(_remote_last_metrics(live[:1], wait_s=1.0)), daemon=True)
+    t.start()
+    t.join(60)  # far less than the library's 120 s of retries
+    assert not t.is_alive(), "waited for an unreachable bucket"
+    assert result == {"r0": None}
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [("soon", 'stall_after must be a duration like "30m"'), (0, "stall_after must be more than 0 seconds")],

@@ -53,6 +53,8 @@ INT_GRACE_S = 5.0  # Ctrl-C: the job gets SIGINT, then is cancelled this much la
 CANCEL_WAIT_S = 180.0  # cancel waits for the ranks to checkpoint and stop (KillWait is 60 s on dtrain's clusters)
 RECENT_S = 24 * 3600  # `dtrain jobs` without --all: active jobs, and jobs submitted in the last day
 JOB_ID_CHARS = frozenset("0123456789")
+METRICS_WAIT_S = 10.0  # `dtrain jobs`: the most it waits for the last metrics lines of runs in buckets
+METRICS_READERS = 8  # ... read by this many threads at most
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,7 +427,7 @@ def list_jobs(
         metrics = _last_metrics(s, [r for r in shown if not r.eval_id])  # an evaluation logs no metrics
         rows = []
         for r in shown:
-            rows.append(job_row(cluster, r, states.get(r.job_id), {} if r.eval_id else metrics.get(r.run_id, {}), now))
+            rows.append(job_row(cluster, r, states.get(r.job_id), {} if r.eval_id else metrics.get(r.run_id), now))
         return rows
 
 
@@ -437,8 +439,11 @@ def stalled(cluster: Cluster, *, now: float | None = None, accept_new_host_keys:
     return [r for r in rows if r.stalled]
 
 
-def job_row(cluster: Cluster, rec: JobRecord, state: JobState | None, last: dict[str, Any], now: float) -> JobRow:
-    """A job's line: its node-hours and their cost at the cluster's node prices, and its stall."""
+def job_row(
+    cluster: Cluster, rec: JobRecord, state: JobState | None, last: dict[str, Any] | None, now: float
+) -> JobRow:
+    """A job's line: its node-hours and their cost at the cluster's node prices, and its stall. `last`:
+    the run's last metrics line, None if the run could not be read (then it is not called stalled)."""
     seconds = elapsed_seconds(state.elapsed) if state else 0
     nodes = (state.nodes or rec.nodes) if state else 0
     hours = seconds * nodes / 3600
@@ -447,8 +452,8 @@ def job_row(cluster: Cluster, rec: JobRecord, state: JobState | None, last: dict
         usd = seconds / 3600 * sum(job_node_prices(cluster.node_usd_per_hour, state.nodelist if state else "", nodes))
     stall_after = cluster.slurm.stall_after if cluster.slurm else STALL_AFTER_S
     # An evaluation logs no metrics while it works: it is never "stalled" for want of them.
-    since = None if rec.eval_id else stall_since(state, last, stall_after=stall_after, now=now)
-    return JobRow(rec, state, last, node_hours=hours, usd=usd, stalled_since=since)
+    since = None if rec.eval_id or last is None else stall_since(state, last, stall_after=stall_after, now=now)
+    return JobRow(rec, state, last or {}, node_hours=hours, usd=usd, stalled_since=since)
 
 
 def stall_since(state: JobState | None, last: dict[str, Any], *, stall_after: float, now: float) -> float | None:
@@ -503,19 +508,11 @@ def expand_nodelist(text: str) -> list[str]:
     return names
 
 
-def _last_metrics(s: Session, records: list[JobRecord]) -> dict[str, dict[str, Any]]:
-    """Each run's last metrics.jsonl line: read from here for gs:// runs, on the login node for paths there."""
-    from dtrain.common.storage import open_store
-
-    out: dict[str, dict[str, Any]] = {}
-    paths = []
-    for r in records:
-        if is_remote(r.url):
-            with contextlib.suppress(Exception):
-                text = open_store(r.url).read_bytes("metrics.jsonl").decode()
-                out[r.run_id] = last_line(text)
-        else:
-            paths.append(r)
+def _last_metrics(s: Session, records: list[JobRecord]) -> dict[str, dict[str, Any] | None]:
+    """Each run's last metrics.jsonl line ({} before its first; None: the run could not be read): gs://
+    runs read from here, paths on the login node in one SSH round trip."""
+    out: dict[str, dict[str, Any] | None] = dict(_remote_last_metrics([r for r in records if is_remote(r.url)]))
+    paths = [r for r in records if not is_remote(r.url)]
     if paths:
         command = "; ".join(
             f"echo {shlex.quote(r.run_id)} $(tail -n 1 {shlex.quote(r.url + '/metrics.jsonl')} 2>/dev/null)"
@@ -525,6 +522,38 @@ def _last_metrics(s: Session, records: list[JobRecord]) -> dict[str, dict[str, A
             run_id, _, text = line.partition(" ")
             out[run_id] = last_line(text)
     return out
+
+
+def _remote_last_metrics(
+    records: list[JobRecord], *, wait_s: float = METRICS_WAIT_S, readers: int = METRICS_READERS
+) -> dict[str, dict[str, Any] | None]:
+    """The last metrics line of runs in buckets, read side by side by at most `readers` threads, waiting
+    at most `wait_s` in all: a bucket that cannot be reached (deleted, an emulator gone, no route) is
+    retried by the storage library for minutes, and `dtrain jobs` must not wait for it. A run not read
+    in time, or not readable, is None. The threads are daemons: one still waiting ends with the process."""
+    from dtrain.common.storage import open_store
+
+    out: dict[str, dict[str, Any] | None] = dict.fromkeys((r.run_id for r in records), None)
+    todo: queue.Queue[JobRecord] = queue.Queue()
+    for r in records:
+        todo.put(r)
+
+    def read() -> None:
+        while True:
+            try:
+                r = todo.get_nowait()
+            except queue.Empty:
+                return
+            with contextlib.suppress(Exception):
+                out[r.run_id] = last_line(open_store(r.url).read_bytes("metrics.jsonl").decode())
+
+    threads = [threading.Thread(target=read, daemon=True) for _ in range(min(readers, len(records)))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + wait_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return dict(out)
 
 
 def last_line(text: str) -> dict[str, Any]:
