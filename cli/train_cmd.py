@@ -13,11 +13,34 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
 from dtrain.cli import console
 from dtrain.cli import options as o
 
-app = typer.Typer(help="Train a workload on this machine or a cluster.", no_args_is_help=True)
+
+class TrainGroup(TyperGroup):
+    """`dtrain train NAME` for a built-in, and anything else (a script, -m module, job table, or -- command)
+    to the hidden `program` command, which parses its own line (dtrain.control.program)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            ctx.meta["dtrain.train.argv"] = list(args)
+            args = ["program"]
+        return super().parse_args(ctx, args)
+
+
+app = typer.Typer(
+    cls=TrainGroup,
+    help=(
+        "Train: your own script (dtrain train train.py [ARGS]), a module (-m pkg.train), a [jobs.NAME] table "
+        "(dtrain train NAME), any command once per node (dtrain train -- CMD ...), or a built-in example below. "
+        "Options: --cluster NAME, --nodes N, --nproc N, --output DIR|gs://..., --resume RUN, --run-id ID, "
+        "--max-restarts N, --workdir DIR, --setup CMD, --env NAME=VALUE, --image IMAGE, --accept-new-host-keys, "
+        "--oversubscribe (docs/user-code.md)."
+    ),
+    no_args_is_help=True,
+)
 
 # Options of the launch itself, not settings: they never reach the workload or dtrain.toml.
 LAUNCH_ONLY = {
@@ -127,12 +150,53 @@ def launch(
     return result.exit_code
 
 
+@app.command(
+    "program",
+    hidden=True,
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
+)
+def program(ctx: typer.Context) -> None:
+    """Run a script, module, job table or command (see `dtrain train --help`)."""
+    argv = ctx.meta.get("dtrain.train.argv", list(ctx.args))
+    console.state.exit_code = run_program(argv)
+
+
+def run_program(argv: list[str]) -> int:
+    """`dtrain train` of a user's program: parse its line, resolve a job table, run it, report."""
+    from dtrain.control.jobs_file import resolve_job
+    from dtrain.control.launch import next_step
+    from dtrain.control.userjob import ProgramRequest, launch_program
+
+    if argv and argv[0] in ("-h", "--help"):
+        console.out.print(app.info.help, highlight=False)
+        return 0
+    job, flags, launch_opts = resolve_job(argv, console.state.config_path)
+    request = ProgramRequest(
+        job=job,
+        flags=flags,
+        config_path=console.state.config_path,
+        image=launch_opts.get("image") or "",
+        accept_new_host_keys=bool(launch_opts.get("accept_new_host_keys")),
+        oversubscribe=bool(launch_opts.get("oversubscribe")),
+        tty=sys.stdout.isatty(),
+        debug=console.state.debug,
+    )
+    with console.operation() as (events, handle):
+        result = launch_program(request, events=events, handle=handle)
+    message = next_step(result, resume_hint=f"dtrain train --resume {result.run_id}")
+    if message and result.ok:
+        console.out.print(message, highlight=False)
+    elif message:
+        console.err.print(message, highlight=False)
+    return result.exit_code
+
+
 def register_all() -> None:
     """One command per workload. cli/main.py calls it only when `train` is on the command line: building
     the options reads every workload's dataclasses, which `dtrain --help` need not pay for."""
     from dtrain.control.settings import WORKLOADS
 
-    if app.registered_commands:
+    if any(c.name in WORKLOADS for c in app.registered_commands):
         return
     for name in WORKLOADS:
         _register(name)

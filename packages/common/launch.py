@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -46,8 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as e:
-        _rank, failure = e.get_first_failure()
-        return exit_code_of(failure.exitcode)
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        # One line naming the rank that failed first; torchrun has already stopped the others.
+        print(f"dtrain: rank {rank} (local rank {failure.local_rank}) on {socket.gethostname()} {how}", flush=True)
+        return exit_code_of(code)
     except SignalException as e:
         # torchrun itself was signalled; it has already sent the same signal to the workers and
         # waited for them (a SIGTERM'd worker checkpoints and exits PREEMPTED).

@@ -310,6 +310,54 @@ def run_container(spec: dict[str, Any]) -> int:
     return code if code >= 0 else 128 - code
 
 
+class JobFiles:
+    """A user program's files on this node (the spec's "files" table): its checkpoint directory, put back
+    from the run's store before the program starts and copied there while it runs and once more at the
+    end (dtrain.common.mirror); the SDK's metrics file, forwarded to the run; the stop file, created when a
+    stop is asked for. Imports beyond the standard library happen only here, for such a job."""
+
+    def __init__(self, files: dict[str, Any], env: dict[str, str], pids: Any) -> None:
+        from dtrain.common import jobenv
+        from dtrain.common.mirror import Forward, Mirror, restore
+        from dtrain.common.storage import open_store
+
+        # Paths relative to the run's directory on this node (the agent's own): the program gets them whole.
+        for key, name in (("checkpoint_dir", jobenv.CHECKPOINT_DIR), ("stop_file", jobenv.STOP_FILE),
+                          ("metrics_file", jobenv.METRICS_FILE), ("code_dir", jobenv.CODE_DIR)):  # fmt: skip
+            if files.get(key):
+                files[key] = env[name] = os.path.abspath(os.path.expanduser(files[key]))
+        for f in files.get("forward", []):
+            f["local"] = os.path.abspath(os.path.expanduser(f["local"]))
+        self.stop_file = Path(files["stop_file"])
+        self.stop_file.unlink(missing_ok=True)
+        ckpt = Path(files["checkpoint_dir"])
+        ckpt.mkdir(parents=True, exist_ok=True)
+        self.mirror = None
+        m = files.get("mirror")
+        if m:
+            store = open_store(m["store"])
+            if m.get("restore"):
+                got = restore(store, ckpt, log=_say)
+                if got is not None:
+                    _say(f"checkpoint directory restored from the run: {got.files} file(s), {got.bytes} bytes")
+            forwards = [Forward(Path(f["local"]), open_store(f["store"]), f["rel"]) for f in files.get("forward", [])]
+            self.mirror = Mirror(ckpt, store, node=int(m["node"]), interval_s=float(m.get("interval_s", 30.0)),
+                                 forwards=forwards, pids=pids, log=_say)  # fmt: skip
+            self.mirror.start()
+
+    def stop_requested(self) -> None:
+        with contextlib.suppress(OSError):
+            self.stop_file.touch()
+
+    def close(self) -> None:
+        if self.mirror is not None:
+            self.mirror.close()
+
+
+def _say(message: str) -> None:
+    print(f"dtrain: {message}", flush=True)
+
+
 def run() -> int:
     line = sys.stdin.readline()
     if not line:
@@ -320,18 +368,58 @@ def run() -> int:
         return run_container(spec)
     grace = float(spec.get("grace_s", DEFAULT_GRACE_S))
     env = {**os.environ, **spec.get("env", {})}
-    proc = subprocess.Popen(spec["argv"], env=env, cwd=spec.get("cwd") or None, start_new_session=True)
-    snapshot: list[int] = [proc.pid]
+    # The job is not an SSH session: with SSH_CLIENT set, Debian's bash runs ~/.bashrc for every `bash -c` the
+    # job starts (bash's SSH_SOURCE_BASHRC), and a conda or pyenv init there puts another Python first on PATH.
+    for name in ("SSH_CLIENT", "SSH2_CLIENT", "SSH_CONNECTION", "SSH_TTY"):
+        env.pop(name, None)
+    if spec.get("path_prepend"):  # a job's virtualenv: its tools (accelerate, deepspeed, ...) come first
+        venv_bin = os.path.abspath(os.path.expanduser(spec["path_prepend"]))
+        env["PATH"] = venv_bin + os.pathsep + env.get("PATH", os.defpath)
+        if os.path.exists(os.path.join(os.path.dirname(venv_bin), "pyvenv.cfg")):
+            env["VIRTUAL_ENV"] = os.path.dirname(venv_bin)
+    snapshot: list[int] = []
+    files = None
+    if spec.get("files"):
+        # The agent's own storage client reads the run's store the way the job does.
+        for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT"):
+            if spec.get("env", {}).get(name):
+                os.environ[name] = spec["env"][name]
+        try:
+            files = JobFiles(spec["files"], env, lambda: list(snapshot))
+        except Exception as e:  # noqa: BLE001 - one line for the launcher, whatever the store said
+            print(f"dtrain: cannot set up the checkpoint directory's copy on {socket.gethostname()}: {e}", flush=True)
+            return 1
+    try:
+        # Not the agent's stdin: that is the launcher's control channel (and, being SSH's socket, it makes a
+        # `bash -c` in the job read ~/.bashrc as if sshd had started it).
+        proc = subprocess.Popen(
+            spec["argv"], env=env, cwd=spec.get("cwd") or None, start_new_session=True, stdin=subprocess.DEVNULL
+        )
+    except OSError as e:
+        # A command that is not there: one line naming it and the node, and the usage exit code.
+        print(f"dtrain: cannot start {spec['argv'][0]} on {socket.gethostname()}: {e.strerror or e}", flush=True)
+        if files is not None:
+            files.close()
+        return 2
+    snapshot.append(proc.pid)
 
     def watch_stdin() -> None:
         for raw in sys.stdin:
             sig = SIGNALS.get(raw.strip())
             if sig is not None:
-                # torchrun forwards INT and TERM to its workers itself; KILL must reach them all.
+                if files is not None and sig != signal.SIGKILL:
+                    files.stop_requested()
+                # torchrun forwards INT and TERM to its workers itself; KILL must reach them all. A command
+                # gets the signal as a whole session (its own launcher may not forward it).
+                if spec.get("signal_group"):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, sig)
                 signal_tree(proc.pid, sig, only_root=sig != signal.SIGKILL)
         # stdin closed: the launcher is gone. Stop the job, then make sure.
         if proc.poll() is None:
-            signal_tree(proc.pid, signal.SIGTERM, only_root=True)
+            if files is not None:
+                files.stop_requested()
+            signal_tree(proc.pid, signal.SIGTERM, only_root=not spec.get("signal_group"))
             deadline = time.monotonic() + grace
             while proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -345,6 +433,8 @@ def run() -> int:
     for p in snapshot[1:]:  # whatever the job left behind
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(p, signal.SIGKILL)
+    if files is not None:
+        files.close()  # the last copy of the checkpoint directory, now that nothing writes to it
     return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
 
 

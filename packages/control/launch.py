@@ -149,9 +149,16 @@ def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResul
     return LaunchResult(workload, run_id, run.url, code, cluster.name)
 
 
-def next_step(result: LaunchResult) -> str:
+def next_step(result: LaunchResult, resume_hint: str = "") -> str:
     """What to tell the user after the job ended: where the run is, or how to continue it."""
     w, r = result.workload, result.run_id
+    if resume_hint:  # a user's program: its run is resumed by id
+        if result.exit_code == ExitCode.OK:
+            return f"run {r} completed: {result.url}"
+        if result.exit_code == ExitCode.USAGE:
+            return ""
+        how = {ExitCode.PREEMPTED: "stopped", ExitCode.INTERRUPTED: "interrupted"}.get(result.exit_code, "failed")
+        return f"run {r} {how} (exit {result.exit_code}): `{resume_hint}` continues it from its checkpoint directory"
     if result.exit_code == ExitCode.OK:
         return f"run {r} completed: {result.url} (config.json, metrics.jsonl, checkpoints/, final/)"
     if result.exit_code == ExitCode.PREEMPTED:

@@ -23,6 +23,7 @@ The steps, each failing with a one-line error that names the node:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -501,11 +502,15 @@ class Job:
         events: Events,
         handle: Handle,
         echo: bool = True,
+        tail: int = 0,
     ) -> None:
         self.ssh, self.cluster, self.run_id, self.specs, self.logs = ssh, cluster, run_id, specs, logs
         self.events, self.handle = events, handle
         self.echo = echo  # False: keep the lines in .output instead of reporting them
         self.output: list[tuple[str, str]] = []
+        self.tail_n = tail  # keep each node's last `tail` lines, for report_failure
+        self.tails: dict[str, collections.deque[str]] = {}
+        self.terminated = False  # a TERMINATE reached the job (a stop asked for, not a failure)
         self.lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
         self.procs: dict[str, subprocess.Popen] = {}
         self.codes: dict[str, int] = {}
@@ -596,6 +601,7 @@ class Job:
                 self._send("INT")
                 self._kill_at = min(self._kill_at, now + INT_GRACE_S)
             else:
+                self.terminated = True
                 self._say("SIGTERM: the job checkpoints and stops on every node")
                 self._send("TERM")
                 self._kill_at = min(self._kill_at, now + SHUTDOWN_GRACE_S)
@@ -612,6 +618,20 @@ class Job:
     def _say(self, message: str) -> None:
         self.events.info(f"dtrain: {message}")
 
+    def report_failure(self, events: Events) -> None:
+        """One event naming the node that failed first, its exit code, and its last lines."""
+        if self.first_failure is None:
+            return
+        name, rc = self.first_failure
+        last = list(self.tails.get(name, ()))
+        events.emit(
+            "failed",
+            f"dtrain: node {name} failed first (exit {rc}); its last lines:\n" + "\n".join(f"  {x}" for x in last),
+            node=name,
+            exit_code=rc,
+            last_lines=last,
+        )
+
     def _show(self, name: str, line: str) -> None:
         if line.startswith(CONTROL_PREFIX):
             return
@@ -623,6 +643,8 @@ class Job:
             return
         if self.logs is not None:
             self.logs.write(name, line)
+        if self.tail_n:
+            self.tails.setdefault(name, collections.deque(maxlen=self.tail_n)).append(line)
         if not self.echo:
             self.output.append((name, line))
             return

@@ -39,6 +39,7 @@ else:  # pragma: no cover - 3.10
 from dtrain.common.config import PLACEMENT_KEYS, RunConfig, build, coerce, field_type, flag, opt, scalar_fields
 from dtrain.common.env import NON_SETTING_ENV
 from dtrain.common.errors import UserError
+from dtrain.common.jobenv import ALL as JOB_ENV
 from dtrain.control import backends
 
 if TYPE_CHECKING:
@@ -61,7 +62,8 @@ GCP_ENV = frozenset(
         "DTRAIN_TERRAFORM",
     }
 )
-RESERVED_ENV = frozenset({"DTRAIN_CONFIG", "DTRAIN_DEBUG"}) | NON_SETTING_ENV | GCP_ENV
+# JOB_ENV: what dtrain sets for a job's processes (dtrain.common.jobenv), never a setting.
+RESERVED_ENV = frozenset({"DTRAIN_CONFIG", "DTRAIN_DEBUG"}) | NON_SETTING_ENV | GCP_ENV | JOB_ENV
 # Launcher -> workload plumbing; never a user setting.
 INTERNAL_ENV_PREFIX = "DTRAIN_INTERNAL_"
 
@@ -207,6 +209,7 @@ class Settings:
     launch: LaunchConfig
     clusters: dict[str, ClusterConfig]
     file: Path | None  # the config file read, if any
+    jobs: dict[str, Any]  # [jobs.NAME] tables: name -> dtrain.control.program.JobTable
     _keys: dict[str, _Key] = dataclasses.field(repr=False)
     _values: dict[str, _Value] = dataclasses.field(repr=False)
 
@@ -266,16 +269,18 @@ def load_settings(
         _apply_saved(*saved, keys, values)
     path, data = _read_file(config_path)
     clusters: dict[str, ClusterConfig] = {}
+    jobs: dict[str, Any] = {}
     if path is not None:
         _apply_file(str(path), data, keys, values)
         clusters = _clusters(str(path), data.get("clusters", {}), keys, values)
+        jobs = _jobs(str(path), data.get("jobs", {}), path.resolve().parent)
     _apply_env(os.environ if env is None else env, keys, values)
     _apply_flags(flags or {}, keys, values)
 
     run_keys = [k for k in keys.values() if k.section == "run"]
     run = _build(RunConfig, [k for k in run_keys if k.owner is RunConfig], values)
     launch = _build(LaunchConfig, [k for k in run_keys if k.owner is LaunchConfig], values)
-    return Settings(run=run, launch=launch, clusters=clusters, file=path, _keys=keys, _values=values)
+    return Settings(run=run, launch=launch, clusters=clusters, file=path, jobs=jobs, _keys=keys, _values=values)
 
 
 def gcp_endpoints(env: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
@@ -358,7 +363,7 @@ def _read_file(config_path: Path | None) -> tuple[Path | None, dict[str, Any]]:
 def _apply_file(src: str, data: Mapping[str, Any], keys: dict[str, _Key], values: dict[str, _Value]) -> None:
     sections = ["run", *WORKLOADS]
     for section, table in data.items():
-        if section == "clusters":
+        if section in ("clusters", "jobs"):
             continue
         if section not in sections:
             if not isinstance(table, dict):
@@ -366,7 +371,7 @@ def _apply_file(src: str, data: Mapping[str, Any], keys: dict[str, _Key], values
                     f"{src}: {section} = ... is outside any section; put it under "
                     f"{_section_hint(section, keys) or '[run] or a workload section'}"
                 )
-            known = ", ".join(f"[{s}]" for s in [*sections, "clusters.NAME"])
+            known = ", ".join(f"[{s}]" for s in [*sections, "clusters.NAME", "jobs.NAME"])
             raise UserError(f"{src}: unknown section [{section}] (known: {known})")
         if not isinstance(table, dict):
             raise UserError(f"{src}: {section} must be a table ([{section}]), got {_kind(table)}")
@@ -410,6 +415,20 @@ def _clusters(src: str, table: Any, keys: dict[str, _Key], values: dict[str, _Va
         cfg = dataclasses.replace(_build(ClusterConfig, ckeys, values), name=cname, spec=rest, source=src)
         backends.get(cfg.backend).check(cfg)  # settings know no backend's keys: each checks its own
         out[cname] = cfg
+    return out
+
+
+def _jobs(src: str, table: Any, base: Path) -> dict[str, Any]:
+    """Parse [jobs.NAME] tables (dtrain.control.program); a built-in's name cannot be taken."""
+    from dtrain.control.program import parse_job_table
+
+    if not isinstance(table, dict):
+        raise UserError(f"{src}: jobs must be tables [jobs.NAME], got {_kind(table)}")
+    out = {}
+    for name, t in table.items():
+        if name in WORKLOADS:
+            raise UserError(f"{src}: [jobs.{name}]: {name} is a built-in example's name; choose another")
+        out[name] = parse_job_table(name, t, src=src, base=base)
     return out
 
 

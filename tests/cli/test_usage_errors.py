@@ -22,15 +22,24 @@ from dtrain.common.errors import ExitCode
         ),
         (["train", "mnist", "--epochs", "many"], "error: Invalid value for '--epochs': "),
         (["train", "mnist", "--bogus"], "error: No such option: --bogus"),
-        (["train", "gpt"], "error: No such command 'gpt'."),
     ],
 )
 def test_click_usage_errors_are_one_line(tmp_path, args, line):
     r = cli(tmp_path, *args)
     assert r.code == ExitCode.USAGE, r.err
     assert r.err.count("\n") == 1 and "╭" not in r.err, r.err
-    command = " ".join(["dtrain", *args[: 2 if args[1] != "gpt" else 1]])
+    command = " ".join(["dtrain", *args[:2]])
     got = r.error_line()
     # The wording of a bad number is typer's own and changes between its releases: the start is ours to pin.
     assert got == f"{line} (see {command} --help)" or (line.endswith(": ") and got.startswith(line)), got
     assert got.endswith(f" (see {command} --help)"), got
+
+
+def test_an_unknown_name_for_train_is_not_a_job_nor_a_builtin(tmp_path):
+    """`dtrain train NAME` runs a [jobs.NAME] table or a built-in; anything else says what it could have been."""
+    r = cli(tmp_path, "train", "gpt")
+    assert r.code == ExitCode.USAGE, r.err
+    assert r.error_line() == (
+        "error: no job 'gpt': not a [jobs.gpt] table in dtrain.toml (none here) nor a built-in (known: lora, mnist); "
+        "a script must end in .py, and a command goes after --: dtrain train -- gpt ..."
+    )

@@ -223,7 +223,9 @@ def test_unknown_key_names_key_and_file(cwd):
 
 def test_unknown_section_and_keys_outside_sections(cwd):
     write(cwd / "dtrain.toml", "[mnsit]\nepochs = 3\n")
-    assert error() == "dtrain.toml: unknown section [mnsit] (known: [run], [mnist], [lora], [clusters.NAME])"
+    assert (
+        error() == "dtrain.toml: unknown section [mnsit] (known: [run], [mnist], [lora], [clusters.NAME], [jobs.NAME])"
+    )
     write(cwd / "dtrain.toml", "epochs = 3\n")
     assert error() == "dtrain.toml: epochs = ... is outside any section; put it under [mnist]"
     write(cwd / "dtrain.toml", "run = 3\n")

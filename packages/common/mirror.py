@@ -1,0 +1,605 @@
+"""Copies a job's local checkpoint directory to the run's store, and puts the newest complete copy back.
+
+dtrain gives the user's script a local directory on every node (DTRAIN_CHECKPOINT_DIR). The script
+saves there as it likes (`torch.save(state, ckpt_dir / "ckpt.pt")`) and loads what it finds; it is not
+changed. A `Mirror` on each node copies that directory to the run's `ckpt/` store in the background and
+once more when the job ends; before a restarted or resumed job starts, `restore` puts the newest
+complete copy back. A `Forward` sends a local append-only file (the SDK's metrics JSONL) to a store
+file on the same background thread. Standard library only.
+
+Layout under the store (the run's `ckpt/` prefix):
+
+    blobs/<sha256>             one file's bytes, named by their sha256: uploaded once, shared by every
+                               manifest (and node) that has the same bytes
+    node-00000/00000007.json   node 0's directory at one moment: {"seq", "node", "time",
+                               "files": {relpath: {"sha256", "size", "mtime_ns"}}}
+    node-00000/pending.json    the blobs node 0 is uploading for its next manifest (so no GC takes them)
+
+Why a manifest is written last, and only over a fully settled directory: blobs are just bytes; only a
+manifest says which of them form a checkpoint. Written after every blob it names is in the store, a
+manifest is never visible before its checkpoint is whole, and `restore` checks that again (each blob
+present with its size, each download's sha256), falling back to an older manifest otherwise, so a
+half-copied checkpoint is never restored. A file is copied only when settled: its (size, mtime) did not
+change over a whole interval and no process of the job has it open for writing. A manifest is written
+only when EVERY file in the directory is settled, never over the settled subset: a checkpoint of
+several files caught mid-write (model.pt done, optim.pt half) would otherwise be saved as the new model
+next to the old optimizer. What "settled" cannot see is a writer that pauses for longer than an interval
+between two files of one checkpoint; a format with its own completion marker (meta.json, LATEST) is
+safe from that too.
+
+Garbage collection, after each new manifest: a node deletes its own manifests but the newest `keep`,
+then every blob that no manifest or pending.json of any node names. pending.json is written before a
+node checks or uploads the blobs of its next manifest and deleted after the manifest, so a long upload
+on one node is not collected by another; a GC that cannot read a listed manifest or pending.json
+deletes no blob that round.
+
+When two nodes' manifests name the same path with different bytes, `restore` takes the copy with the
+newer mtime (a restored file keeps its recorded mtime, so a stale copy that another node got from an
+earlier restore never wins over a fresh save).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import secrets
+import stat
+import threading
+import time
+from collections.abc import Callable, Container, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from dtrain.common.storage import Store
+
+BLOBS = "blobs"
+PENDING = "pending.json"
+_MANIFEST_RE = re.compile(r"node-(\d{5})/(\d{8})\.json")
+_PENDING_RE = re.compile(r"node-(\d{5})/pending\.json")
+_SHA_RE = re.compile(r"[0-9a-f]{64}")
+_READ_CHUNK = 1 << 20
+
+Log = Callable[[str], None]
+# What "unchanged since the previous scan" compares: size, mtime, and the inode (a file replaced by a
+# rename is a different file even when size and mtime agree).
+_Key = tuple[int, int, int]
+
+
+def node_prefix(node: int) -> str:
+    return f"node-{node:05d}"
+
+
+def manifest_name(node: int, seq: int) -> str:
+    return f"{node_prefix(node)}/{seq:08d}.json"
+
+
+def blob_name(sha: str) -> str:
+    return f"{BLOBS}/{sha}"
+
+
+def is_temporary(name: str) -> bool:
+    """Names that are never copied (files, or directories and everything under them): hidden names
+    (which covers `.x.tmp`), editor backups, and the usual suffixes of a file still being written."""
+    return name.startswith(".") or name.endswith(("~", ".tmp", ".partial"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncResult:
+    uploaded_files: int = 0
+    uploaded_bytes: int = 0
+    manifest: int | None = None  # the seq this sync wrote, if it wrote one
+    waiting: tuple[str, ...] = ()  # files not settled yet: no manifest until they are
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreResult:
+    manifests: dict[int, int]  # node -> seq of the manifest restored from
+    files: int  # files downloaded
+    bytes: int  # bytes downloaded
+    present: int = 0  # files already there with the right bytes (not downloaded)
+    left_alone: tuple[str, ...] = ()  # local files the restored set does not name (not touched)
+
+
+class Mirror:
+    """Copies `local_dir` to `store` (the run's ckpt/ prefix) for one node; see the module docstring.
+
+    `pids` gives the job's process tree, whose open files are checked for writers (None: every
+    process of this uid). `forwards` are synced on the same thread, before the checkpoint files.
+    """
+
+    def __init__(
+        self,
+        local_dir: Path,
+        store: Store,
+        *,
+        node: int,
+        interval_s: float = 30.0,
+        keep: int = 3,
+        pids: Callable[[], Iterable[int]] | None = None,
+        forwards: Sequence[Forward] = (),
+        log: Log = print,
+    ) -> None:
+        if node < 0:
+            raise ValueError(f"node must be >= 0, got {node}")
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.local_dir = Path(local_dir)
+        self.store = store
+        self.node = node
+        self.interval_s = interval_s
+        self.keep = keep
+        self.forwards = tuple(forwards)
+        self.log = log
+        self._pids = pids
+        self._seen: dict[str, _Key] = {}  # each file's key at the previous scan
+        self._hashes: dict[str, tuple[_Key, str]] = {}  # sha256 of each file, valid while its key holds
+        self._saved: dict[str, tuple[str, int]] | None = None  # (sha, size) per file in the last manifest
+        self._seq = 0  # the newest manifest seq of this node
+        self._loaded = False
+        self._manifests: dict[str, dict[str, Any]] = {}  # parsed manifests by name: immutable once written
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Syncs every `interval_s` on a daemon thread until close()."""
+        if self._thread is not None:
+            raise RuntimeError("Mirror.start() called twice")
+        self._thread = threading.Thread(target=self._run, name=f"dtrain-mirror-{self.node}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> SyncResult:
+        """Stops the thread and syncs once more, taking files as they are: the job's processes are gone."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        return self.sync(final=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sync()
+            except Exception as e:  # a flaky network must not end the copying: try again next tick
+                self.log(
+                    f"checkpoint mirror: copy to {self.store.url} failed ({type(e).__name__}: {e}); "
+                    f"trying again in {self.interval_s:g}s"
+                )
+
+    def sync(self, *, final: bool = False) -> SyncResult:
+        """One scan: forwards first, then the checkpoint files. A forward's failure is logged, never
+        raised, so metrics never hold back a checkpoint; the checkpoint's failure is raised."""
+        with self._lock:
+            for fwd in self.forwards:
+                try:
+                    fwd.sync()
+                except Exception as e:
+                    self.log(f"checkpoint mirror: forwarding {fwd.local_path} failed ({type(e).__name__}: {e})")
+            return self._sync_files(final)
+
+    def _sync_files(self, final: bool) -> SyncResult:
+        if not self._loaded:
+            self._load()
+        found = _scan(self.local_dir)
+        keys = {rel: _key(st) for rel, st in found.items()}
+        busy = _open_for_writing(
+            {(st.st_dev, st.st_ino) for st in found.values()}, None if self._pids is None else self._pids()
+        )
+        waiting = tuple(
+            rel
+            for rel, st in found.items()
+            if (st.st_dev, st.st_ino) in busy or (not final and self._seen.get(rel) != keys[rel])
+        )
+        self._seen = keys
+        self._hashes = {rel: v for rel, v in self._hashes.items() if rel in found}
+        if waiting:
+            return SyncResult(waiting=waiting)
+        files = {}
+        for rel, st in found.items():
+            sha = self._sha256(rel, keys[rel])
+            if sha is None:  # changed while being read: it was not settled after all
+                return SyncResult(waiting=(rel,))
+            files[rel] = {"sha256": sha, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        # An empty directory saves nothing: it must not become the newest copy of a saved checkpoint.
+        if not files or _content(files) == self._saved:
+            return SyncResult()
+        return self._save(files)
+
+    def _load(self) -> None:
+        """Continues this node's manifests after a relaunch: the next seq, and the last saved set (if
+        complete) so an unchanged directory is not saved again."""
+        seqs = [int(m.group(2)) for n in self.store.list(node_prefix(self.node)) if (m := _MANIFEST_RE.fullmatch(n))]
+        if seqs:
+            self._seq = max(seqs)
+            manifest = _read_manifest(self.store, manifest_name(self.node, self._seq), self.log)
+            if manifest is not None and _incomplete(self.store, manifest["files"], None, {}) is None:
+                self._saved = _content(manifest["files"])
+        self._loaded = True
+
+    def _sha256(self, rel: str, key: _Key) -> str | None:
+        cached = self._hashes.get(rel)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        path = self.local_dir / rel
+        try:
+            sha = _sha256_file(path)
+            after = _key(os.stat(path))
+        except FileNotFoundError:
+            return None
+        if after != key:
+            return None
+        self._hashes[rel] = (key, sha)
+        return sha
+
+    def _save(self, files: dict[str, dict[str, Any]]) -> SyncResult:
+        needed = {e["sha256"]: (rel, e["size"]) for rel, e in sorted(files.items())}  # one copy per content
+        pending = f"{node_prefix(self.node)}/{PENDING}"
+        _write_json(self.store, pending, {"node": self.node, "time": time.time(), "blobs": sorted(needed)})
+        uploaded = nbytes = 0
+        for sha, (rel, size) in needed.items():
+            if _blob_size(self.store, sha) == size:
+                continue
+            try:  # whole, in memory: Store.write_bytes takes bytes (one upload, visible only when complete)
+                data = (self.local_dir / rel).read_bytes()
+            except FileNotFoundError:
+                data = b""
+            if hashlib.sha256(data).hexdigest() != sha:
+                # Changed since it was hashed, though it looked settled: it must settle again.
+                self._seen.pop(rel, None)
+                return SyncResult(uploaded, nbytes, waiting=(rel,))
+            self.store.write_bytes(blob_name(sha), data)
+            uploaded += 1
+            nbytes += len(data)
+        seq = self._seq + 1
+        name = manifest_name(self.node, seq)
+        manifest = {"seq": seq, "node": self.node, "time": time.time(), "files": files}
+        _write_json(self.store, name, manifest)
+        self._seq, self._saved = seq, _content(files)
+        self._manifests[name] = manifest
+        self.store.delete(pending)
+        self.log(
+            f"checkpoint mirror: node {self.node} saved {len(files)} file(s) as manifest {seq} "
+            f"({uploaded} uploaded, {nbytes:,} bytes)"
+        )
+        try:
+            self._collect()
+        except Exception as e:  # the checkpoint is saved; an old one left behind is collected next time
+            self.log(f"checkpoint mirror: garbage collection failed ({type(e).__name__}: {e})")
+        return SyncResult(uploaded, nbytes, seq)
+
+    def _collect(self) -> None:
+        names = self.store.list()
+        own = sorted(n for n in names if (m := _MANIFEST_RE.fullmatch(n)) and int(m.group(1)) == self.node)
+        dropped = set(own[: -self.keep])
+        for name in sorted(dropped):
+            self.store.delete(name)
+            self._manifests.pop(name, None)
+        referenced: set[str] = set()
+        for name in names:
+            if name in dropped:
+                continue
+            if _MANIFEST_RE.fullmatch(name):
+                manifest = self._manifests.get(name) or _read_manifest(self.store, name, self.log)
+                if manifest is None:
+                    self.log(f"checkpoint mirror: cannot read {self.store.join(name)}; deleting no blobs this time")
+                    return
+                self._manifests[name] = manifest
+                referenced.update(e["sha256"] for e in manifest["files"].values())
+            elif _PENDING_RE.fullmatch(name):
+                try:
+                    referenced.update(json.loads(self.store.read_bytes(name))["blobs"])
+                except (FileNotFoundError, ValueError, KeyError, TypeError):
+                    # Gone: its node has just written a manifest this listing did not see.
+                    return
+        for name in names:
+            if name.startswith(f"{BLOBS}/") and name[len(BLOBS) + 1 :] not in referenced:
+                self.store.delete(name)
+
+
+class Forward:
+    """Forwards the whole lines appended to `local_path` to `store`'s `rel`, each once.
+
+    The offset sent so far is kept in `<local_path>.fwd`, so a relaunched agent goes on where the last
+    one stopped. It is written after the append: a crash between the two sends those lines again (at
+    least once, never lost). A local file shorter than the offset was started over, and is sent from
+    its beginning.
+    """
+
+    def __init__(self, local_path: Path, store: Store, rel: str) -> None:
+        self.local_path = Path(local_path)
+        self.store = store
+        self.rel = rel
+        self.sidecar = self.local_path.with_name(self.local_path.name + ".fwd")
+        try:
+            self.offset = int(self.sidecar.read_text().strip() or 0)
+        except (FileNotFoundError, ValueError):
+            self.offset = 0
+
+    def sync(self) -> int:
+        """Appends the new whole lines (up to the last newline); returns the bytes sent."""
+        try:
+            f = self.local_path.open("rb")
+        except FileNotFoundError:
+            return 0
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if size < self.offset:
+                self.offset = 0
+            f.seek(self.offset)
+            data = f.read(size - self.offset)
+        end = data.rfind(b"\n") + 1
+        if end == 0:
+            return 0
+        self.store.append_bytes(self.rel, data[:end])
+        self.offset += end
+        tmp = self.sidecar.with_name(f".{self.sidecar.name}.{secrets.token_hex(4)}.tmp")
+        tmp.write_text(f"{self.offset}\n")
+        os.replace(tmp, self.sidecar)
+        return end
+
+
+def restore(store: Store, local_dir: Path, *, log: Log = print) -> RestoreResult | None:
+    """Puts the union of every node's newest complete manifest into `local_dir`; None (and nothing
+    written) when the store has no complete manifest. See the module docstring."""
+    local_dir = Path(local_dir)
+    names = store.list()
+    blobs = {n[len(BLOBS) + 1 :] for n in names if n.startswith(f"{BLOBS}/")}
+    by_node: dict[int, list[int]] = {}
+    for name in names:
+        if m := _MANIFEST_RE.fullmatch(name):
+            by_node.setdefault(int(m.group(1)), []).append(int(m.group(2)))
+    manifests: dict[tuple[int, int], dict[str, Any] | None] = {}
+    sizes: dict[str, int | None] = {}  # blob sizes in the store, asked once each
+    bad: set[str] = set()  # blobs whose bytes do not match their name
+    skipped: set[tuple[int, int]] = set()
+    while True:
+        chosen: dict[int, dict[str, Any]] = {}
+        for node, seqs in sorted(by_node.items()):
+            for seq in sorted(seqs, reverse=True):
+                if (node, seq) not in manifests:
+                    manifests[node, seq] = _read_manifest(store, manifest_name(node, seq), log)
+                manifest = manifests[node, seq]
+                if manifest is None:
+                    continue
+                problem = _incomplete(store, manifest["files"], blobs, sizes, bad)
+                if problem is None:
+                    chosen[node] = manifest
+                    break
+                if (node, seq) not in skipped:
+                    skipped.add((node, seq))
+                    log(f"checkpoint restore: node {node} manifest {seq} is incomplete ({problem}); trying older ones")
+        if not chosen:
+            if by_node:
+                log(f"checkpoint restore: no complete checkpoint in {store.url}; starting without one")
+            return None
+        wanted = _union(chosen, log)
+        try:
+            downloaded, nbytes, present = _fetch(store, local_dir, wanted)
+        except _BadBlob as e:
+            bad.add(e.sha)
+            continue
+        left_alone = tuple(sorted(set(_scan(local_dir)) - set(wanted)))
+        result = RestoreResult({n: m["seq"] for n, m in chosen.items()}, downloaded, nbytes, present, left_alone)
+        log(
+            f"checkpoint restore: {len(wanted)} file(s) from "
+            + ", ".join(f"node {n} manifest {s}" for n, s in result.manifests.items())
+            + f" ({downloaded} downloaded, {nbytes:,} bytes; {present} already here)"
+        )
+        return result
+
+
+class _BadBlob(Exception):
+    def __init__(self, sha: str) -> None:
+        super().__init__(sha)
+        self.sha = sha
+
+
+def _union(chosen: dict[int, dict[str, Any]], log: Log) -> dict[str, dict[str, Any]]:
+    """Every file of the chosen manifests; for a path two nodes disagree on, the newer mtime (then the
+    lower node) wins."""
+    wanted: dict[str, dict[str, Any]] = {}
+    owner: dict[str, int] = {}
+    for node, manifest in sorted(chosen.items()):
+        for rel, e in manifest["files"].items():
+            have = wanted.get(rel)
+            if have is not None and have["sha256"] != e["sha256"]:
+                newer = e.get("mtime_ns", 0) > have.get("mtime_ns", 0)
+                log(
+                    f"checkpoint restore: {rel} differs between node {owner[rel]} and node {node}; "
+                    f"taking node {node if newer else owner[rel]}'s (newer)"
+                )
+                if not newer:
+                    continue
+            elif have is not None:
+                continue
+            wanted[rel], owner[rel] = e, node
+    return wanted
+
+
+def _fetch(store: Store, local_dir: Path, wanted: dict[str, dict[str, Any]]) -> tuple[int, int, int]:
+    """Downloads what is missing into temp files, verified, and renames them into place only once all
+    are verified, so a corrupt blob leaves the directory as it was. Returns (files, bytes, present)."""
+    staged: list[tuple[Path, Path, int]] = []
+    nbytes = present = 0
+    try:
+        for rel, e in sorted(wanted.items()):
+            target = local_dir / rel
+            if _has(target, e):
+                present += 1
+                continue
+            data = store.read_bytes(blob_name(e["sha256"]))
+            if hashlib.sha256(data).hexdigest() != e["sha256"]:
+                raise _BadBlob(e["sha256"])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.restore.tmp")
+            staged.append((tmp, target, int(e.get("mtime_ns", 0))))
+            with tmp.open("wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            nbytes += len(data)
+        for tmp, target, mtime_ns in staged:
+            os.replace(tmp, target)
+            if mtime_ns:  # the saved mtime, so that this copy does not look newer than it is (_union)
+                os.utime(target, ns=(mtime_ns, mtime_ns))
+        return len(staged), nbytes, present
+    finally:
+        for tmp, _, _ in staged:
+            tmp.unlink(missing_ok=True)
+
+
+def _has(path: Path, e: dict[str, Any]) -> bool:
+    try:
+        return path.stat().st_size == e["size"] and _sha256_file(path) == e["sha256"]
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return False
+
+
+def _incomplete(
+    store: Store,
+    files: dict[str, dict[str, Any]],
+    blobs: set[str] | None,
+    sizes: dict[str, int | None],
+    bad: Container[str] = (),
+) -> str | None:
+    """Why a manifest's files are not all in the store ('ckpt.pt: blob 1a2b… is missing'), or None.
+    `blobs` is a listing of the blob names (None: ask for each), `sizes` a cache of blob sizes."""
+    for rel, e in sorted(files.items()):
+        sha, size = e["sha256"], e["size"]
+        if sha in bad:
+            return f"{rel}: blob {sha[:12]} does not hold the bytes its name says"
+        if sha not in sizes:
+            sizes[sha] = _blob_size(store, sha) if blobs is None or sha in blobs else None
+        if sizes[sha] is None:
+            return f"{rel}: blob {sha[:12]} is missing"
+        if sizes[sha] != size:
+            return f"{rel}: blob {sha[:12]} has {sizes[sha]:,} bytes, not {size:,}"
+    return None
+
+
+def _read_manifest(store: Store, name: str, log: Log) -> dict[str, Any] | None:
+    """A manifest, checked for shape (and for paths that stay inside the directory), or None."""
+    try:
+        manifest = json.loads(store.read_bytes(name))
+        files = manifest["files"]
+        ok = isinstance(files, dict) and all(
+            _safe_rel(rel)
+            and isinstance(e, dict)
+            and isinstance(e.get("sha256"), str)
+            and _SHA_RE.fullmatch(e["sha256"])
+            and isinstance(e.get("size"), int)
+            and e["size"] >= 0
+            for rel, e in files.items()
+        )
+        if ok and isinstance(manifest.get("seq"), int):
+            return manifest
+    except FileNotFoundError:
+        return None  # deleted by its node's GC since the listing
+    except (ValueError, KeyError, TypeError):
+        pass
+    log(f"checkpoint store: {store.join(name)} is not a valid manifest; ignoring it")
+    return None
+
+
+def _safe_rel(rel: object) -> bool:
+    return (
+        isinstance(rel, str)
+        and not rel.startswith("/")
+        and "\\" not in rel
+        and all(p not in ("", ".", "..") for p in rel.split("/"))
+    )
+
+
+def _content(files: dict[str, dict[str, Any]]) -> dict[str, tuple[str, int]]:
+    # mtime is left out: touching a file without changing its bytes is no reason for a new manifest.
+    return {rel: (e["sha256"], e["size"]) for rel, e in files.items()}
+
+
+def _write_json(store: Store, name: str, obj: dict[str, Any]) -> None:
+    store.write_bytes(name, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def _blob_size(store: Store, sha: str) -> int | None:
+    try:
+        return store.size(blob_name(sha))
+    except FileNotFoundError:
+        return None
+
+
+def _key(st: os.stat_result) -> _Key:
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _scan(local_dir: Path) -> dict[str, os.stat_result]:
+    """Regular files under `local_dir` by '/'-separated relative path, temporary-looking names left out."""
+    found: dict[str, os.stat_result] = {}
+    for dirpath, dirnames, filenames in os.walk(local_dir):
+        dirnames[:] = sorted(d for d in dirnames if not is_temporary(d))
+        for name in sorted(filenames):
+            if is_temporary(name):
+                continue
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:  # removed while we looked
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found[Path(path).relative_to(local_dir).as_posix()] = st
+    return found
+
+
+def _open_for_writing(inodes: set[tuple[int, int]], pids: Iterable[int] | None) -> set[tuple[int, int]]:
+    """Those of `inodes` ((st_dev, st_ino)) that a process in `pids` (None: every process of this
+    uid) has open for writing, from /proc/<pid>/fd and the access mode in /proc/<pid>/fdinfo."""
+    found: set[tuple[int, int]] = set()
+    if not inodes:
+        return found
+    for pid in _own_pids() if pids is None else pids:
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:  # gone, or not ours to look at
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"{fd_dir}/{fd}")
+            except OSError:
+                continue
+            key = (st.st_dev, st.st_ino)
+            if key in inodes and key not in found and _writable(pid, fd):
+                found.add(key)
+    return found
+
+
+def _writable(pid: int, fd: str) -> bool:
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/fdinfo/{fd}") as f:
+        for line in f:
+            if line.startswith("flags:"):
+                return int(line.split()[1], 8) & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+    return False  # closed meanwhile
+
+
+def _own_pids() -> list[int]:
+    uid = os.getuid()
+    pids = []
+    with contextlib.suppress(FileNotFoundError), os.scandir("/proc") as entries:  # no /proc: no writers seen
+        for entry in entries:
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if entry.stat().st_uid == uid:
+                        pids.append(int(entry.name))
+    return pids

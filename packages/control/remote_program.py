@@ -1,0 +1,319 @@
+"""A user's program on a cluster's nodes over SSH: the same steps as a built-in's (remote.py), plus the
+user's code and requirements.
+
+1. connect to every node; send dtrain's node-side code (the agent, the SDK, the mirror) to the run;
+2. sync the working directory to `<workdir>/code/<project>` on every node (dtrain.common.codesync: only
+   what changed travels) and hard-link a snapshot of it for this run (`<workdir>/runs/<run>/work`), so a
+   later sync never changes the code of a job that is running;
+3. install requirements.txt / pyproject.toml and the setup commands once per node per content hash
+   (dtrain.common.deps), into a virtualenv that sees the node's own torch;
+4. check the rendezvous port, then start the program on every node through the node agent: a script
+   or module under torchrun (c10d on the master, as for a built-in), a command once per node with
+   NODE_RANK, NNODES, MASTER_ADDR and MASTER_PORT (the checked rendezvous port, free for its own use);
+5. on every node the agent puts the run's newest complete checkpoint copy back before a relaunch or a
+   --resume, copies the checkpoint directory to the run's store while the program runs and once more at
+   its end, and forwards the SDK's metrics (dtrain.common.nodeagent.JobFiles).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shlex
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.storage import is_remote
+from dtrain.control.cluster import Cluster, Node
+from dtrain.control.events import Events, Handle
+from dtrain.control.local import processes
+from dtrain.control.remote import (
+    FORWARD_ENV,
+    JOB_ENDED,
+    SHUTDOWN_GRACE_S,
+    Job,
+    LogFiles,
+    NodeError,
+    check_port,
+    code_archive,
+    node_infos,
+    run_dir,
+    sync_code,
+)
+from dtrain.control.ssh import SSH
+from dtrain.control.userjob import (
+    CKPT_PREFIX,
+    MIRROR_INTERVAL_S,
+    ProgramRequest,
+    Target,
+    contract_env,
+    record_end,
+    record_start,
+)
+
+CODE_SYNC_TIMEOUT_S = 600
+DEPS_TIMEOUT_S = 3600  # a first install of large wheels over a slow link
+
+
+def project_key(workdir: Path) -> str:
+    """The folder a project's code keeps on every node: its name and a digest of where it lives here."""
+    where = f"{socket.gethostname()}:{workdir.resolve()}"
+    return f"{workdir.name or 'root'}-{hashlib.sha256(where.encode()).hexdigest()[:10]}"
+
+
+def sync_workdir(ssh: SSH, t: Target, workdir: Path, exclude: list[str], events: Events) -> None:
+    """The working directory to every node at once (only what changed), and this run's snapshot of it."""
+    from dtrain.common.codesync import scan, send
+
+    t0 = time.monotonic()
+    manifest = scan(workdir, exclude=exclude)
+    key = project_key(workdir)
+
+    def one(node: Node) -> Any:
+        rd = run_dir(node, t.run_id)
+        line = (
+            f'cd {shlex.quote(rd)} && PYTHONPATH="$PWD/code" exec {shlex.quote(node.python)} -m dtrain.common.codesync '
+            f"receive --dest ../../code/{shlex.quote(key)} --snapshot work"
+        )
+        p = ssh.popen(node, line, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            stats = send(manifest, p.stdout, p.stdin)
+        except UserError as e:
+            raise NodeError(node, f"code sync failed: {e}") from None
+        except (OSError, ValueError):
+            p.kill()
+            err = p.stderr.read().decode(errors="replace").strip().splitlines()[-1:]  # type: ignore[union-attr]
+            raise NodeError(node, f"code sync failed: {err[0] if err else 'the connection closed'}") from None
+        finally:
+            for f in (p.stdin, p.stdout):
+                with contextlib.suppress(OSError):
+                    f.close()  # type: ignore[union-attr]
+            p.wait(timeout=CODE_SYNC_TIMEOUT_S)
+        return stats
+
+    stats = ssh.each(one)
+    files = sum(s.files_sent for s in stats.values())
+    sent = sum(s.bytes_sent for s in stats.values())
+    what = "unchanged" if files == 0 else f"{files} file(s), {sent:,} bytes sent"
+    events.emit(
+        "code",
+        f"code {manifest.digest[:12]} ({len(manifest.files)} files, {manifest.total_bytes:,} bytes) on "
+        f"{len(stats)} node(s): {what} in {time.monotonic() - t0:.2f} s",
+        digest=manifest.digest,
+        files_sent=files,
+        bytes_sent=sent,
+        per_node={n: {"files": s.files_sent, "bytes": s.bytes_sent} for n, s in stats.items()},
+    )
+
+
+def ensure_deps(ssh: SSH, t: Target, setup: tuple[str, ...], events: Events) -> dict[str, str]:
+    """Each node's Python for the job: a virtualenv with the project's requirements (made once per content
+    hash, then reused), or the node's own when there is nothing to install."""
+
+    def one(node: Node) -> dict[str, Any]:
+        rd = run_dir(node, t.run_id)
+        args = ["--node", node.name]
+        for cmd in setup:
+            args += ["--setup", cmd]
+        # Absolute paths (from the node's $PWD): the interpreter it prints is started from another folder.
+        line = (
+            f'cd {shlex.quote(rd)} && PYTHONPATH="$PWD/code" exec {shlex.quote(node.python)} -m dtrain.common.deps '
+            f'ensure --code-dir "$PWD/work" --envs "$(cd ../.. && pwd)/envs" {shlex.join(args)}'
+        )
+        p = ssh.run(node, line, timeout=DEPS_TIMEOUT_S, check=False)
+        if p.returncode != 0:
+            err = p.stderr.decode(errors="replace").strip().splitlines()
+            raise UserError(
+                err[-1] if err else f"node {node.name}: installing requirements failed (exit {p.returncode})"
+            )
+        return json.loads(p.stdout.decode().strip().splitlines()[-1])
+
+    results = ssh.each(one)
+    made = [n for n, r in results.items() if r.get("created")]
+    keys = {r.get("key") for r in results.values() if r.get("key")}
+    if keys:
+        how = f"installed on {', '.join(made)}" if made else "reused on every node"
+        events.emit("deps", f"requirements {how} (env {', '.join(sorted(keys))})", created=made, keys=sorted(keys))
+    return {n: str(r["python"]) for n, r in results.items()}
+
+
+def launch_program_cluster(
+    req: ProgramRequest, t: Target, *, cluster: Cluster, nproc: int, max_restarts: int, events: Events, handle: Handle
+) -> int:
+    """Run the program on every node of `cluster`; returns the job's exit code."""
+    import dataclasses
+
+    job = req.job
+    assert job.workdir is not None
+    if req.image or cluster.image:
+        raise UserError(
+            "your own program in container mode is not supported yet: run it in synced mode (no --image, and no "
+            f"image = ... in [clusters.{cluster.name}]), where the nodes' Python runs it"
+        )
+    if len(cluster.nodes) > 1 and not is_remote(t.run.url) and not cluster.shared_fs:
+        raise UserError(
+            f"a run on {len(cluster.nodes)} nodes needs --output that every node reaches: a gs://bucket/prefix "
+            f"(or set shared_fs = true in [clusters.{cluster.name}] if it is a shared filesystem)"
+        )
+    exclude = [f"/{job.checkpoint_dir.strip('/')}/"] if job.checkpoint_dir else []  # the nodes' own, not code
+    out = Path(t.run.url).resolve() if not is_remote(t.run.url) else None
+    if out is not None and job.workdir in out.parents:
+        exclude.append("/" + out.parent.relative_to(job.workdir).as_posix() + "/")
+    archive, digest = code_archive()
+    logs = LogFiles(t.run_id, t.run)
+    code = int(ExitCode.FAILURE)
+    terminated = False
+    attempt = 0
+    try:
+        with SSH(cluster, accept_new_host_keys=req.accept_new_host_keys) as ssh:
+            ssh.connect_all()
+            t0 = time.monotonic()
+            sync_code(ssh, t.run_id, archive)
+            sync_workdir(ssh, t, job.workdir, exclude, events)
+            pythons = ensure_deps(ssh, t, job.setup, events)
+            nodes = tuple(dataclasses.replace(n, python=pythons[n.name]) for n in cluster.nodes)
+            cluster = dataclasses.replace(cluster, nodes=nodes)
+            ssh.cluster = cluster
+            torchrun = job.program.under_torchrun
+            infos = node_infos(ssh, t.run_id, container=not torchrun)
+            m = infos[cluster.master.name]
+            n = 1
+            if torchrun:
+                n = nproc or processes(0, gpus=m.gpus, cpus=m.cpus, oversubscribe=False)
+                for node in cluster.nodes:
+                    i = infos[node.name]
+                    processes(n, gpus=i.gpus, cpus=i.cpus, oversubscribe=req.oversubscribe, where=f"node {node.name}")
+            record_start(t, job, cluster=cluster.name, nodes=len(cluster.nodes), nproc=n)
+            while True:
+                check_port(ssh, t.run_id, cluster.master, cluster.rdzv_port, cluster.nodes[1:], "rendezvous")
+                restore = t.resumed or attempt > 0
+                target = dataclasses.replace(t, restarts=t.restarts + attempt)
+                specs = {
+                    node.name: program_spec(req, target, cluster, node, rank=i, nproc=n,
+                                            threads=max(1, infos[node.name].cpus // n), restore=restore)
+                    for i, node in enumerate(cluster.nodes)
+                }  # fmt: skip
+                events.emit(
+                    "launch",
+                    f"{'resuming' if restore else 'starting'} {job.name} run {t.run_id} on cluster {cluster.name}: "
+                    f"{len(cluster.nodes)} node(s)"
+                    + (f" x {n} process(es) under torchrun" if torchrun else ", the command once per node")
+                    + f", dtrain code {digest} (ready in {time.monotonic() - t0:.1f} s): {job.program.describe()}",
+                    run_id=t.run_id,
+                    workload=job.name,
+                    nodes=len(cluster.nodes),
+                    nproc=n,
+                )
+                running = Job(ssh, cluster, t.run_id, specs, logs, events=events, handle=handle, tail=8)
+                code = running.run()
+                terminated = terminated or running.terminated
+                for node in cluster.nodes:
+                    logs.write(node.name, f"{JOB_ENDED} (exit {running.codes.get(node.name, code)})")
+                if code not in (0, int(ExitCode.USAGE), int(ExitCode.PREEMPTED)) and not running.interrupted:
+                    running.report_failure(events)
+                if terminated and code in (0, int(ExitCode.FAILURE), 128 + 15):
+                    code = int(ExitCode.PREEMPTED)  # asked to stop, and it did: safe to resume
+                retry = code not in (0, int(ExitCode.USAGE), int(ExitCode.PREEMPTED)) and not running.interrupted
+                if not retry or attempt >= max_restarts:
+                    break
+                attempt += 1
+                events.info(
+                    f"dtrain: the job failed (exit {code}); relaunching it on every node from its last checkpoint "
+                    f"copy (restart {attempt} of {max_restarts})"
+                )
+                t0 = time.monotonic()
+    finally:
+        logs.close(t.run)
+        if t.run.exists("config.json"):
+            if attempt or t.resumed:
+                from dtrain.common.rundir import read_json, write_json
+
+                st = read_json(t.run, "status.json") or {}
+                write_json(t.run, "status.json", {**st, "starts": t.restarts + attempt + 1})
+            record_end(t, code)
+    return code
+
+
+def program_spec(
+    req: ProgramRequest, t: Target, cluster: Cluster, node: Node, *, rank: int, nproc: int, threads: int, restore: bool
+) -> dict[str, Any]:
+    """What `nodeagent run` starts on `node` for a user's program (paths relative to the node's run directory)."""
+    job = req.job
+    master = cluster.master
+    torchrun = job.program.under_torchrun
+    ckpt = f"work/{job.checkpoint_dir}" if job.checkpoint_dir else "checkpoints"
+    env = {
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": str(threads),
+        **{k: os.environ[k] for k in FORWARD_ENV if os.environ.get(k)},
+        **cluster.env,
+        **job.env,
+        **contract_env(
+            t,
+            checkpoint_dir=ckpt,
+            metrics_file="metrics.jsonl",
+            stop_file="STOP",
+            code_dir="work",
+            node_rank=rank,
+            nnodes=len(cluster.nodes),
+            nproc=nproc,
+            master_addr=master.address,
+            master_port=cluster.rdzv_port,
+            command=not torchrun,
+        ),  # fmt: skip
+    }
+    if node.interface:
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = node.interface
+    if req.debug:
+        env["DTRAIN_DEBUG"] = "1"
+    else:
+        env["TORCH_CPP_LOG_LEVEL"] = env.get("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if torchrun:
+        argv = [
+            node.python, "-m", "dtrain.common.launch",
+            "--nnodes", str(len(cluster.nodes)),
+            "--nproc-per-node", str(nproc),
+            "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{master.address}:{cluster.rdzv_port}",
+            "--rdzv-id", t.run_id,
+            "--rdzv-conf", f"is_host={int(node.name == master.name)},join_timeout={cluster.rdzv_timeout}",
+            "--local-addr", node.address,
+            "--max-restarts", "0",
+            *job.program.torchrun_tail(),
+        ]  # fmt: skip
+    else:
+        argv = job.program.command_argv()
+    # The job's Python first on PATH: `python`, and the tools its virtualenv installed (accelerate, deepspeed).
+    path_prepend = str(Path(node.python).parent) if "/" in node.python else ""
+    files = {
+        "checkpoint_dir": ckpt,
+        "stop_file": "STOP",
+        "metrics_file": "metrics.jsonl",
+        "code_dir": "work",
+        "mirror": {
+            "store": t.run.child(CKPT_PREFIX).url,
+            "node": rank,
+            "restore": restore,
+            "interval_s": MIRROR_INTERVAL_S,
+        },
+        "forward": [{"local": "metrics.jsonl", "store": t.run.url, "rel": "metrics.jsonl"}] if rank == 0 else [],
+    }
+    return {
+        "argv": argv,
+        "env": env,
+        "cwd": "work",
+        "grace_s": req.grace_s,
+        "ifname_for": node.address,
+        "files": files,
+        "signal_group": not torchrun,
+        "path_prepend": path_prepend,
+    }
+
+
+__all__ = ["launch_program_cluster", "program_spec", "project_key", "SHUTDOWN_GRACE_S"]

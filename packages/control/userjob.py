@@ -1,0 +1,384 @@
+"""Run the user's own program (a script, module, command or [jobs.NAME] table) where the settings say.
+
+    result = launch_program(ProgramRequest(job=job, flags={"run.cluster": "lab"}), events=Events(), handle=Handle())
+
+The run is the same as a built-in's: `<output>/<run id>/` with config.json (the job, written here
+before the program starts), status.json (state and exit code, written here when it ends),
+metrics.jsonl (what the SDK logs), logs/ and ckpt/ (the checkpoint directory's copies,
+dtrain.common.mirror). The program gets dtrain's variables (dtrain.common.jobenv) on every node.
+
+On this machine the program runs in the working directory itself; on a cluster's nodes in a synced
+copy of it (remote.py). Its requirements are installed once per content hash (dtrain.common.deps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dtrain.common import jobenv
+from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.procs import dies_with_parent
+from dtrain.common.rundir import read_json, write_json
+from dtrain.common.storage import Store, is_remote
+from dtrain.control.events import Events, Handle, Stop
+from dtrain.control.launch import LaunchResult
+from dtrain.control.program import Job, check_program, run_prefix
+
+SHUTDOWN_GRACE_S = 45.0  # SIGTERM, then this long before SIGKILL (the same budget as a built-in's)
+# The copy interval of the checkpoint directory (tests shorten it; 30 s costs a long run nothing).
+MIRROR_INTERVAL_S = float(os.environ.get("DTRAIN_INTERNAL_MIRROR_INTERVAL_S", "30"))
+
+
+def _grace_s() -> float:
+    """The stop grace period; DTRAIN_INTERNAL_STOP_GRACE_S shortens it for tests."""
+    return float(os.environ.get("DTRAIN_INTERNAL_STOP_GRACE_S", SHUTDOWN_GRACE_S))
+
+
+POLL_S = 0.2
+CKPT_PREFIX = "ckpt"  # the run's copies of the checkpoint directory (dtrain.common.mirror's layout)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProgramRequest:
+    job: Job
+    flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # run.* settings keys -> value or None
+    config_path: Path | None = None
+    image: str = ""
+    accept_new_host_keys: bool = False
+    oversubscribe: bool = False
+    tty: bool = False
+    debug: bool = False
+    grace_s: float = dataclasses.field(default_factory=_grace_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a program's run lives: its id, its store, and how many times it has started before."""
+
+    run_id: str
+    run: Store
+    restarts: int  # starts before this one (a --resume counts one)
+    resumed: bool
+
+
+def program_target(job: Job, output: str, run_id: str, resume: str) -> Target:
+    """A new run under `output`, or the run `resume` names (which must be a run of the same job)."""
+    from dtrain.common.rundir import locate, run_location
+
+    if resume:
+        run = locate(output, resume)
+        cfg = read_json(run, "config.json") or {}
+        if cfg.get("kind") != "program":
+            what = cfg.get("workload") or "a built-in"
+            raise UserError(f"run {run.url} is a {what} run: resume it with `dtrain train {what} --resume ...`")
+        status = read_json(run, "status.json") or {}
+        return Target(run.url.rstrip("/").rsplit("/", 1)[-1], run, int(status.get("starts", 1)), True)
+    rid, run = run_location(run_prefix(job.name), output, run_id)
+    return Target(rid, run, 0, False)
+
+
+def record_start(t: Target, job: Job, *, cluster: str, nodes: int, nproc: int) -> None:
+    """config.json for a new run (a resumed one keeps its own), and status.json: running."""
+    if not t.resumed:
+        write_json(
+            t.run,
+            "config.json",
+            {
+                "workload": job.name,
+                "kind": "program",
+                "job": job.to_json(),
+                "run_id": t.run_id,
+                "created": time.time(),
+                "cluster": cluster,
+                "world_size": nodes * nproc if job.program.under_torchrun else None,
+                "nodes": nodes,
+            },
+        )
+    prev = read_json(t.run, "status.json") or {}
+    write_json(
+        t.run,
+        "status.json",
+        {
+            **{k: v for k, v in prev.items() if k not in ("exit_code", "error")},
+            "state": "running",
+            "starts": t.restarts + 1,
+            "updated": time.time(),
+            "host": os.uname().nodename,
+            "pid": os.getpid(),
+        },
+    )
+
+
+def record_end(t: Target, code: int, error: str = "") -> None:
+    state = {0: "completed", int(ExitCode.PREEMPTED): "preempted", int(ExitCode.INTERRUPTED): "interrupted"}.get(
+        code, "failed"
+    )
+    prev = read_json(t.run, "status.json") or {}
+    body = {**prev, "state": state, "exit_code": int(code), "updated": time.time()}
+    body.pop("pid", None)
+    if error:
+        body["error"] = error
+    with contextlib.suppress(OSError, UserError):
+        write_json(t.run, "status.json", body)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def contract_env(
+    t: Target,
+    *,
+    checkpoint_dir: str,
+    metrics_file: str,
+    stop_file: str,
+    code_dir: str,
+    node_rank: int,
+    nnodes: int,
+    nproc: int,
+    master_addr: str,
+    master_port: int,
+    command: bool,
+) -> dict[str, str]:
+    """dtrain's variables for one node's processes (dtrain.common.jobenv), and for a command also the plain
+    NODE_RANK/NNODES/... names."""
+    env = {
+        jobenv.RUN: t.run_id,
+        jobenv.RUN_URL: t.run.url,
+        jobenv.CHECKPOINT_DIR: checkpoint_dir,
+        jobenv.RESTART_COUNT: str(t.restarts),
+        jobenv.STOP_FILE: stop_file,
+        jobenv.METRICS_FILE: metrics_file,
+        jobenv.CODE_DIR: code_dir,
+        jobenv.NODE_RANK: str(node_rank),
+        jobenv.NNODES: str(nnodes),
+        jobenv.NPROC_PER_NODE: str(nproc),
+        jobenv.MASTER_ADDR: master_addr,
+        jobenv.MASTER_PORT: str(master_port),
+    }
+    if command:
+        env.update({plain: env[ours] for plain, ours in jobenv.COMMAND_ENV.items()})
+    return env
+
+
+def launch_program(req: ProgramRequest, *, events: Events, handle: Handle) -> LaunchResult:
+    """Run the job to its end where the settings say; returns the job's exit code."""
+    from dtrain.control import backends
+    from dtrain.control.settings import DEFAULT, get_cluster, load_settings
+
+    job = req.job
+    check_program(job)
+    settings = load_settings(req.config_path, req.flags)
+    cfg = get_cluster(settings)
+    cluster = backends.get(cfg.backend).cluster(cfg)
+    output = settings.run.output
+    if cluster.default_output and settings.source("run.output") == DEFAULT:
+        output = cluster.default_output
+    if job.nodes:
+        if job.nodes > len(cluster.nodes):
+            raise UserError(
+                f"--nodes {job.nodes} is more than cluster {cluster.name or 'this machine'}'s "
+                f"{len(cluster.nodes)} node(s)"
+            )
+        cluster = dataclasses.replace(cluster, nodes=cluster.nodes[: job.nodes])
+    t = program_target(job, output, settings.run.run_id, settings.run.resume)
+    if cluster.launcher == "local":
+        if req.image:
+            raise UserError("--image runs a job in containers on a cluster's nodes: add --cluster NAME")
+        code = run_program_here(req, t, nproc=settings.launch.nproc, max_restarts=settings.launch.max_restarts,
+                                events=events, handle=handle)  # fmt: skip
+        return LaunchResult(job.name, t.run_id, t.run.url, code, "")
+    if cluster.launcher == "ssh":
+        from dtrain.control.remote_program import launch_program_cluster
+
+        code = launch_program_cluster(
+            req, t, cluster=cluster, nproc=settings.launch.nproc, max_restarts=settings.launch.max_restarts,
+            events=events, handle=handle,
+        )  # fmt: skip
+        return LaunchResult(job.name, t.run_id, t.run.url, code, cluster.name)
+    raise UserError(
+        f"cluster {cluster.name!r} queues jobs on Slurm: your own programs cannot run there yet; "
+        "run them on a hosts or gcp cluster's nodes directly (their launcher is SSH)"
+    )
+
+
+def run_program_here(
+    req: ProgramRequest, t: Target, *, nproc: int, max_restarts: int, events: Events, handle: Handle
+) -> int:
+    """The program on this machine, in its working directory (nothing to sync)."""
+    from dtrain.common import deps
+    from dtrain.common.env import cache_dir
+    from dtrain.control.local import count_gpus, processes
+
+    job = req.job
+    assert job.workdir is not None
+    gpus, cpus = count_gpus(), os.cpu_count() or 1
+    n = processes(nproc, gpus=gpus, cpus=cpus, oversubscribe=req.oversubscribe) if job.program.under_torchrun else 1
+    node_dir = cache_dir() / "jobs" / t.run_id
+    node_dir.mkdir(parents=True, exist_ok=True)
+    env_result = deps.ensure_env(
+        job.workdir, cache_dir() / "envs", setup=job.setup, base_python=sys.executable, node="this machine",
+        log=lambda m: events.info(f"dtrain: {m}"),
+    )  # fmt: skip
+    if not job.program.under_torchrun:  # a command that is not there: one line, before the run is made
+        first = job.program.command_argv()[0]
+        path = os.pathsep.join([str(Path(env_result.python).parent), os.environ.get("PATH", "")])
+        found = shutil.which(first, path=path) if "/" not in first else str(job.workdir / first)
+        if not found or not os.access(found, os.X_OK):
+            raise UserError(f"command not found on this machine: {first} (install it, or give its full path)")
+    if env_result.key:
+        how = "installed" if env_result.created else "reused"
+        events.emit("deps", f"requirements {how} ({env_result.key})", created=env_result.created, key=env_result.key)
+    local_run = not is_remote(t.run.url)
+    if job.checkpoint_dir:
+        ckpt = job.workdir / job.checkpoint_dir
+    else:
+        ckpt = Path(t.run.url) / "checkpoints" if local_run else node_dir / "checkpoints"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    mirror = None
+    mirrored = not (local_run and not job.checkpoint_dir)  # a local run's own folder needs no copy
+    metrics_file = Path(t.run.url) / "metrics.jsonl" if local_run else node_dir / "metrics.jsonl"
+    record_start(t, job, cluster="", nodes=1, nproc=n)
+    if mirrored or not local_run:
+        from dtrain.common.mirror import Forward, Mirror, restore
+
+        if mirrored and t.resumed:
+            got = restore(t.run.child(CKPT_PREFIX), ckpt, log=lambda m: events.info(f"dtrain: {m}"))
+            if got is not None:
+                events.emit("restored", f"checkpoint directory restored ({got.files} file(s))", files=got.files)
+        forwards = [] if local_run else [Forward(metrics_file, t.run, "metrics.jsonl")]
+        mirror = Mirror(ckpt, t.run.child(CKPT_PREFIX), node=0, forwards=forwards, interval_s=MIRROR_INTERVAL_S,
+                        log=lambda m: events.info(f"dtrain: {m}"))  # fmt: skip
+        mirror.start()
+    stop_file = node_dir / "STOP"
+    stop_file.unlink(missing_ok=True)
+    env = {
+        **os.environ,
+        **job.env,
+        **contract_env(
+            t,
+            checkpoint_dir=str(ckpt),
+            metrics_file=str(metrics_file),
+            stop_file=str(stop_file),
+            code_dir=str(job.workdir),
+            node_rank=0,
+            nnodes=1,
+            nproc=n,
+            master_addr="127.0.0.1",
+            master_port=free_port(),
+            command=not job.program.under_torchrun,
+        ),  # fmt: skip
+        "PYTHONUNBUFFERED": "1",
+    }
+    if job.program.under_torchrun:
+        env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or str(max(1, cpus // n))
+        argv = [
+            env_result.python, "-m", "dtrain.common.launch", "--nnodes", "1", "--nproc-per-node", str(n),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", t.run_id,
+            "--max-restarts", str(max_restarts), *job.program.torchrun_tail(),
+        ]  # fmt: skip
+    else:
+        argv = job.program.command_argv()
+        # The job's Python first on PATH, as on a cluster's nodes: `python` is the one with torch (and the
+        # requirements' virtualenv, with the tools it installed).
+        venv_bin = str(Path(env_result.python).parent)
+        env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
+        if env_result.key:
+            env["VIRTUAL_ENV"] = str(Path(venv_bin).parent)
+    if req.debug:
+        env["DTRAIN_DEBUG"] = "1"
+    events.emit(
+        "launch",
+        f"{'resuming' if t.resumed else 'starting'} {job.name} run {t.run_id} on this machine: "
+        + (f"{n} process(es) under torchrun" if job.program.under_torchrun else "a command")
+        + f": {job.program.describe()}",
+        run_id=t.run_id,
+        workload=job.name,
+        nodes=1,
+        nproc=n,
+    )
+    code = int(ExitCode.FAILURE)
+    try:
+        code = supervise(argv, env=env, cwd=job.workdir, stop_file=stop_file, handle=handle, grace_s=req.grace_s,
+                         what=job.program.describe())  # fmt: skip
+    finally:
+        if mirror is not None:
+            mirror.close()
+        record_end(t, code)
+    return code
+
+
+def supervise(
+    argv: list[str], *, env: Mapping[str, str], cwd: Path, stop_file: Path, handle: Handle, grace_s: float, what: str
+) -> int:
+    """Run argv in a session of its own to its end. A stop request: the stop file appears and the signal goes
+    to the whole session; past `grace_s` (or on KILL) everything left is killed. Returns our exit code."""
+    from dtrain.common.nodeagent import signal_tree, tree
+
+    try:
+        proc = subprocess.Popen(
+            argv, env=dict(env), cwd=cwd, start_new_session=True, preexec_fn=dies_with_parent(signal.SIGTERM)
+        )
+    except FileNotFoundError:
+        raise UserError(f"command not found on this machine: {argv[0]} (from: {what})") from None
+    except PermissionError:
+        raise UserError(f"cannot execute {argv[0]} on this machine: permission denied") from None
+    forwarded: list[int] = []
+    deadline = float("inf")
+    snapshot = [proc.pid]
+    try:
+        while proc.poll() is None:
+            for stop in handle.take():
+                if stop == Stop.KILL:
+                    signal_tree(proc.pid, signal.SIGKILL)
+                    continue
+                signum = signal.SIGINT if stop == Stop.INTERRUPT else signal.SIGTERM
+                forwarded.append(signum)
+                with contextlib.suppress(OSError):
+                    stop_file.touch()
+                deadline = min(deadline, time.monotonic() + grace_s)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signum)
+            if time.monotonic() > deadline:
+                signal_tree(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                break
+            snapshot[:] = tree(proc.pid)
+            time.sleep(POLL_S)
+    finally:
+        if proc.poll() is None:
+            signal_tree(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for p in snapshot[1:]:  # whatever the program left behind (torchrun's workers sit in sessions of their own)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return exit_code(proc.returncode, forwarded)
+
+
+def exit_code(code: int, forwarded: list[int]) -> int:
+    """The job's exit code from the program's: a program stopped by our SIGTERM that exits 0 or dies of it is
+    PREEMPTED (it was asked to stop and did: safe to resume); Ctrl-C is INTERRUPTED."""
+    if signal.SIGINT in forwarded:
+        return int(ExitCode.INTERRUPTED)
+    if signal.SIGTERM in forwarded and code in (0, -signal.SIGTERM, 128 + signal.SIGTERM, int(ExitCode.PREEMPTED)):
+        return int(ExitCode.PREEMPTED)
+    if code < 0:
+        return int(ExitCode.FAILURE)
+    return code

@@ -1,0 +1,164 @@
+"""dtrain's optional SDK for users' training code: metrics, the checkpoint directory, and stop requests.
+
+    from dtrain import sdk
+
+    ckpt = sdk.checkpoint_dir() / "last.pt"  # copied to the run's store; survives a restart
+    state = torch.load(ckpt) if ckpt.exists() else {"step": 0}
+    sdk.install_sigterm_flag()  # SIGTERM no longer kills: stop_requested() turns True instead
+    for step in range(state["step"], total_steps):
+        loss = train_step(model, next(batches))
+        sdk.log(step, loss=loss, lr=scheduler.get_last_lr()[0])  # rank 0 only; tensors are fine
+        if sdk.stop_requested():  # preemption notice, `dtrain cancel`, SIGTERM
+            if sdk.is_main_process():
+                torch.save({"step": step + 1, "model": model.state_dict()}, ckpt)
+            break
+
+Every function is harmless outside dtrain: `log` does nothing, `checkpoint_dir` is ./checkpoints,
+`stop_requested` is False (unless SIGTERM arrived after `install_sigterm_flag`), the ranks are 0. The
+variables read are dtrain.common.jobenv's, plus torchrun's RANK. Standard library only, so a project
+can depend on it without pulling anything in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, SupportsFloat
+
+from dtrain.common import jobenv
+
+__all__ = [
+    "checkpoint_dir",
+    "in_dtrain",
+    "install_sigterm_flag",
+    "is_main_process",
+    "log",
+    "node_rank",
+    "restart_count",
+    "run_id",
+    "stop_requested",
+]
+
+# stop_requested() looks at the stop file at most this often, so calling it every step costs nothing.
+STOP_CHECK_EVERY_S = 0.5
+DEFAULT_CHECKPOINT_DIR = "checkpoints"
+
+_warned_io = False
+_sigterm_received = False
+_stop_seen = False
+_stop_checked_at = -math.inf
+
+
+def in_dtrain() -> bool:
+    """True in a job that dtrain started."""
+    return bool(os.environ.get(jobenv.RUN))
+
+
+def run_id() -> str | None:
+    """The run's id, or None outside dtrain."""
+    return os.environ.get(jobenv.RUN) or None
+
+
+def restart_count() -> int:
+    """0 on a run's first start, then one more per relaunch, requeue or resume."""
+    return _int_env(jobenv.RESTART_COUNT)
+
+
+def node_rank() -> int:
+    """This node's index in the job (0 outside dtrain)."""
+    return _int_env(jobenv.NODE_RANK)
+
+
+def is_main_process() -> bool:
+    """True on the job's global rank 0 (torchrun's RANK), and in a process torchrun did not start."""
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
+def log(step: int | None = None, **metrics: SupportsFloat) -> None:
+    """Appends `{"step": step, "time": <unix time>, **metrics}` as one JSON line to the run's metrics,
+    on the main process only; does nothing outside dtrain.
+
+    Values are numbers: Python numbers, numpy scalars or 0-d tensors (anything float() takes).
+    A non-finite value (NaN, inf) is written as null. A value that is not a number raises ValueError;
+    a failed write warns once on stderr and never raises."""
+    path = os.environ.get(jobenv.METRICS_FILE)
+    if not path or not is_main_process():
+        return
+    record: dict[str, Any] = {"step": None if step is None else int(step), "time": time.time()}
+    for name, value in metrics.items():
+        record[name] = _number(name, value)
+    line = json.dumps(record, allow_nan=False) + "\n"
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line)
+    except OSError as e:
+        _warn_once(f"dtrain.sdk: cannot write metrics to {path} ({e.strerror or e}); metrics are not recorded")
+
+
+def checkpoint_dir() -> Path:
+    """The directory to save checkpoints in (created): dtrain's per-node directory, copied to the run's
+    store, or ./checkpoints outside dtrain."""
+    path = Path(os.environ.get(jobenv.CHECKPOINT_DIR) or DEFAULT_CHECKPOINT_DIR)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def stop_requested() -> bool:
+    """True once dtrain has asked the job to stop (a preemption notice, a cancel, a SIGTERM to the
+    job), or this process got SIGTERM after install_sigterm_flag(). Stays True. Cheap to call every
+    step: the stop file is looked at every STOP_CHECK_EVERY_S at most."""
+    global _stop_seen, _stop_checked_at
+    if _sigterm_received or _stop_seen:
+        return True
+    path = os.environ.get(jobenv.STOP_FILE)
+    if not path:
+        return False
+    now = time.monotonic()
+    if now - _stop_checked_at >= STOP_CHECK_EVERY_S:
+        _stop_checked_at = now
+        _stop_seen = os.path.exists(path)
+    return _stop_seen
+
+
+def install_sigterm_flag() -> None:
+    """Makes SIGTERM set the flag stop_requested() reads, instead of ending the process, so the loop
+    can save a checkpoint first. A Python handler installed before is still called. Call it from the
+    main thread (Python's rule for signal handlers)."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        global _sigterm_received
+        _sigterm_received = True
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _number(name: str, value: SupportsFloat) -> float | int | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    try:
+        number = float(value)  # 0-d tensors and numpy scalars convert themselves
+    except (TypeError, ValueError):
+        raise ValueError(f"dtrain.sdk.log: {name}={value!r} is not a number") from None
+    return number if math.isfinite(number) else None
+
+
+def _int_env(name: str) -> int:
+    try:
+        return int(os.environ.get(name) or 0)
+    except ValueError:
+        return 0
+
+
+def _warn_once(message: str) -> None:
+    global _warned_io
+    if not _warned_io:
+        _warned_io = True
+        print(message, file=sys.stderr, flush=True)
