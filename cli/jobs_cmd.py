@@ -1,4 +1,5 @@
-"""Queued jobs on a cluster with Slurm: `dtrain submit <workload>`, `dtrain jobs`, `dtrain cancel JOB`,
+"""Queued jobs on a cluster with Slurm: `dtrain submit <workload>` (or a user's program: `dtrain submit
+train.py ...`, -m module, a [jobs.NAME] table, -- command), `dtrain jobs`, `dtrain cancel JOB`,
 `dtrain logs JOB [-f]` (dispatched here from cli/runs_cmd.py), and `dtrain slurm setup`. The work is
 dtrain.control.slurm."""
 
@@ -11,9 +12,17 @@ import typer
 
 from dtrain.cli import console
 from dtrain.cli import options as o
+from dtrain.cli.train_cmd import PROGRAM_ARGV, ProgramGroup
 
 submit_app = typer.Typer(
-    help="Queue a workload as a Slurm job on a cluster: prints the job id and returns at once.", no_args_is_help=True
+    cls=ProgramGroup,
+    help=(
+        "Queue a job on a Slurm cluster: prints the job id and returns at once. Your own script (dtrain submit "
+        "train.py [ARGS] --cluster NAME), a module (-m pkg.train), a [jobs.NAME] table, any command once per node "
+        "(dtrain submit --cluster NAME -- CMD ...), or a built-in example below. Options as dtrain train's, plus "
+        "--name NAME (docs/slurm.md)."
+    ),
+    no_args_is_help=True,
 )
 slurm_app = typer.Typer(help="Slurm on dtrain's own clusters.", no_args_is_help=True)
 
@@ -60,6 +69,11 @@ def _submit(workload: str, flags: dict[str, Any], given: dict[str, Any]) -> None
     events = Events(lambda ev: console.err.print(ev.message, markup=False, highlight=False) if ev.message else None)
     with console.operation() as (_terminal, handle):
         r = submit(request, nodes=given["nodes"] or 0, name=given["name"] or "", events=events, handle=handle)
+    _queued(r)
+
+
+def _queued(r: Any) -> None:
+    """The job id alone on stdout (for scripts); what was queued, on stderr."""
     print(r.job_id, flush=True)
     verb = "resumes" if r.resuming else "runs"
     console.err.print(
@@ -80,6 +94,38 @@ def _register_submit() -> None:
 
 
 _register_submit()
+
+
+@submit_app.command(
+    "program",
+    hidden=True,
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
+)
+def submit_program(ctx: typer.Context) -> None:
+    """Queue a script, module, job table or command (see `dtrain submit --help`)."""
+    from dtrain.control.events import Events
+    from dtrain.control.jobs_file import resolve_job
+    from dtrain.control.slurm.programs import submit_program as control_submit
+    from dtrain.control.userjob import ProgramRequest
+
+    argv = ctx.meta.get(PROGRAM_ARGV, list(ctx.args))
+    if argv and argv[0] in ("-h", "--help"):
+        console.out.print(submit_app.info.help, highlight=False)
+        return
+    job, flags, launch = resolve_job(argv, console.state.config_path, submit=True)
+    request = ProgramRequest(
+        job=job,
+        flags=flags,
+        config_path=console.state.config_path,
+        image=launch.get("image") or "",
+        accept_new_host_keys=bool(launch.get("accept_new_host_keys")),
+        oversubscribe=bool(launch.get("oversubscribe")),
+        debug=console.state.debug,
+    )
+    events = Events(lambda ev: console.err.print(ev.message, markup=False, highlight=False) if ev.message else None)
+    with console.operation() as (_terminal, handle):
+        r = control_submit(request, name=launch.get("name") or "", events=events, handle=handle)
+    _queued(r)
 
 
 def jobs(

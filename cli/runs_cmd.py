@@ -13,14 +13,15 @@ from dtrain.cli import options as o
 
 
 def _output(output: str | None) -> str:
-    from dtrain.control.settings import load_settings
+    """--output, else the settings' (a gcp cluster named by run.cluster: its bucket, as `train` uses)."""
+    from dtrain.control.settings import load_settings, run_output
 
-    return load_settings(console.state.config_path, {"run.output": output}).run.output
+    return run_output(load_settings(console.state.config_path, {"run.output": output}))
 
 
 def runs(output: o.Output = None, as_json: o.Json = False) -> None:
     """List runs (newest first) with their status and best metric."""
-    from dtrain.control.runs import list_runs
+    from dtrain.control.runs import best_label, list_runs
 
     where = _output(output)
     rows = list_runs(where)
@@ -36,8 +37,7 @@ def runs(output: o.Output = None, as_json: o.Json = False) -> None:
     for col in ("run", "status", "started (UTC)", "step", "best", "world"):
         table.add_column(col, no_wrap=True)
     for r in rows:
-        short = {"eval_accuracy": "acc", "eval_loss": "loss"}.get(r["best_metric"], r["best_metric"])
-        best = f"{short} {r['best_value']:.4f}" if r["best_value"] is not None else "-"
+        best = best_label(r)
         table.add_row(
             r["run_id"],
             _styled(r["status"]),

@@ -18,20 +18,23 @@ from typer.core import TyperGroup
 from dtrain.cli import console
 from dtrain.cli import options as o
 
+PROGRAM_ARGV = "dtrain.program.argv"  # ctx.meta: the line ProgramGroup routed to its `program` command
 
-class TrainGroup(TyperGroup):
-    """`dtrain train NAME` for a built-in, and anything else (a script, -m module, job table, or -- command)
-    to the hidden `program` command, which parses its own line (dtrain.control.program)."""
+
+class ProgramGroup(TyperGroup):
+    """A group whose commands are the built-ins (`dtrain train NAME`, `dtrain submit NAME`), with anything
+    else (a script, -m module, job table, or -- command) routed to its hidden `program` command, which parses
+    its own line (dtrain.control.program)."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
-            ctx.meta["dtrain.train.argv"] = list(args)
+            ctx.meta[PROGRAM_ARGV] = list(args)
             args = ["program"]
         return super().parse_args(ctx, args)
 
 
 app = typer.Typer(
-    cls=TrainGroup,
+    cls=ProgramGroup,
     help=(
         "Train: your own script (dtrain train train.py [ARGS]), a module (-m pkg.train), a [jobs.NAME] table "
         "(dtrain train NAME), any command once per node (dtrain train -- CMD ...), or a built-in example below. "
@@ -157,7 +160,7 @@ def launch(
 )
 def program(ctx: typer.Context) -> None:
     """Run a script, module, job table or command (see `dtrain train --help`)."""
-    argv = ctx.meta.get("dtrain.train.argv", list(ctx.args))
+    argv = ctx.meta.get(PROGRAM_ARGV, list(ctx.args))
     console.state.exit_code = run_program(argv)
 
 

@@ -1,9 +1,12 @@
-"""Projects the way users keep them, for tests of users' own programs (tests/programs, tests/cluster)."""
+"""Projects the way users keep them, for tests of users' own programs (tests/programs, tests/cluster, tests/slurm)."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import shutil
+import zipfile
 from pathlib import Path
 
 PROJECTS = Path(__file__).parent / "programs" / "projects"
@@ -22,3 +25,25 @@ def make_ddp_project(dest: Path, *, rows: int = 64) -> Path:
     y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.01 * torch.randn(rows, 1, generator=g)
     torch.save({"x": x, "y": y}, dest / "data" / "points.pt")
     return dest
+
+
+def write_wheel(folder: Path, name: str, version: str, code: str) -> Path:
+    """A pure-Python wheel made by hand (a zip with its metadata and RECORD): no build backend, no index."""
+    folder.mkdir(parents=True, exist_ok=True)
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": code.encode(),
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n".encode(),
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: dtrain-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for path, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(data)}")
+    record.append(f"{dist}/RECORD,,")
+    files[f"{dist}/RECORD"] = ("\n".join(record) + "\n").encode()
+    out = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(out, "w") as z:
+        for path, data in files.items():
+            z.writestr(path, data)
+    return out

@@ -407,7 +407,8 @@ def scan(
         largest = ", ".join(f"{p} {_human(s)}" for p, s in _largest({p: st.st_size for p, st in found.items()}))
         raise UserError(
             f"working directory {root} holds {_human(total)} to sync, over the {_human(limit_bytes)} limit; "
-            f"largest: {largest}: add them to .dtrainignore, or raise code_limit"
+            f"largest: {largest}: add them to .dtrainignore, or raise the limit "
+            "(--code-limit MB, or code_limit in the job)"
         )
 
     cache_file = _cache_path(root, cache_dir)

@@ -154,13 +154,15 @@ class Mirror:
         self._thread = threading.Thread(target=self._run, name=f"dtrain-mirror-{self.node}", daemon=True)
         self._thread.start()
 
-    def close(self) -> SyncResult:
-        """Stops the thread and syncs once more, taking files as they are: the job's processes are gone."""
+    def close(self, *, final: bool = True) -> SyncResult:
+        """Stops the thread and syncs once more. final: the job's processes ended by themselves, so its files
+        are as it meant them: take them as they are. Not final (the job was killed, mid-save perhaps): only
+        what the usual rule finds settled, so a checkpoint cut off by the kill is not the newest copy."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        return self.sync(final=True)
+        return self.sync(final=final)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

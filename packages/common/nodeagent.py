@@ -349,9 +349,11 @@ class JobFiles:
         with contextlib.suppress(OSError):
             self.stop_file.touch()
 
-    def close(self) -> None:
+    def close(self, *, killed: bool) -> None:
+        """The last copy: the folder as the program left it if it ended by itself; only settled files (the
+        last complete copy stands) if it had to be killed, perhaps in the middle of a save."""
         if self.mirror is not None:
-            self.mirror.close()
+            self.mirror.close(final=not killed)
 
 
 def _say(message: str) -> None:
@@ -399,14 +401,18 @@ def run() -> int:
         # A command that is not there: one line naming it and the node, and the usage exit code.
         print(f"dtrain: cannot start {spec['argv'][0]} on {socket.gethostname()}: {e.strerror or e}", flush=True)
         if files is not None:
-            files.close()
+            files.close(killed=False)
         return 2
     snapshot.append(proc.pid)
+
+    killed: list[bool] = []  # the job had to be killed (KILL, or still running after the grace period)
 
     def watch_stdin() -> None:
         for raw in sys.stdin:
             sig = SIGNALS.get(raw.strip())
             if sig is not None:
+                if sig == signal.SIGKILL and proc.poll() is None:
+                    killed.append(True)
                 if files is not None and sig != signal.SIGKILL:
                     files.stop_requested()
                 # torchrun forwards INT and TERM to its workers itself; KILL must reach them all. A command
@@ -423,6 +429,8 @@ def run() -> int:
             deadline = time.monotonic() + grace
             while proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.2)
+            if proc.poll() is None:
+                killed.append(True)
             signal_tree(proc.pid, signal.SIGKILL)
 
     threading.Thread(target=watch_stdin, daemon=True).start()
@@ -434,7 +442,7 @@ def run() -> int:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(p, signal.SIGKILL)
     if files is not None:
-        files.close()  # the last copy of the checkpoint directory, now that nothing writes to it
+        files.close(killed=bool(killed))  # the last copy of the checkpoint directory: nothing writes to it now
     return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
 
 

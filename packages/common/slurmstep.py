@@ -22,6 +22,13 @@ interface that holds this node's address). Slurm signals every process of the st
 (proctrack/linuxproc or cgroup); the agent ignores those signals so that it outlives its job and reports
 the job's exit code. Each output line goes to `logs/<node>.log` in the job directory, stamped, and to
 the step's stdout (the job's output file). The last line is a result for the batch step.
+
+A user's own program (job.json's `program` table, dtrain.control.slurm.programs) runs through the same
+steps. The batch step also records its run (config.json on the first start, status.json on every start
+and end) and, on a job directory the nodes share, puts its checkpoint directory back once before a resumed
+start; each node's step installs the project's requirements (dtrain.common.deps), fills in its own part of
+the spec (program_spec), and on SIGTERM or SIGINT from Slurm creates the stop file and has the agent kill
+what is left of the program after the grace period.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dtrain.common.errors import UserError
+
 RESULT_PREFIX = "\x02dtrain-step "  # a node's result line, read by the batch step
 HEARTBEAT_PREFIX = "\x02dtrain-alive "  # a node's task is alive: every HEARTBEAT_S
 HEARTBEAT_S = 2.0
@@ -48,8 +57,9 @@ PROGRESS_PREFIX = "\x02dtrain-progress "  # as dtrain.common.metrics writes them
 CONTROL_PREFIX = "\x02dtrain-agent "  # as dtrain.common.nodeagent writes them
 # Placeholders in the job spec that only the allocation can fill in.
 TOKENS = ("__dtrain_master_addr__", "__dtrain_addr__", "__dtrain_is_host__", "__dtrain_nproc__",
-          "__dtrain_threads__", "__dtrain_node__", "__dtrain_nnodes__")  # fmt: skip
+          "__dtrain_threads__", "__dtrain_node__", "__dtrain_nnodes__", "__dtrain_node_rank__")  # fmt: skip
 ARGS_TOKEN = "__dtrain_workload_args__"  # replaced by the workload's arguments: a new run's, or a resume's
+RESTARTS_ENV = "DTRAIN_INTERNAL_SLURM_RESTARTS"  # the batch step tells the node tasks the job's restart count
 STEP_WAIT_S = 30  # srun --wait: after the first node's task ends, the others get this long, then are killed
 FOLLOW_POLL_S = 0.2
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -182,8 +192,17 @@ def batch(jobfile: str) -> int:
     verb = "resuming" if resume else "starting"
     print(f"{stamp()} dtrain: job {os.environ.get('SLURM_JOB_ID', '?')} (restart {restarts}) on "
           f"{','.join(nodes)}: {verb} {job['workload']} run {job['run_id']}", flush=True)  # fmt: skip
+    if job.get("program"):
+        try:
+            program_started(job, restarts=restarts, nodes=nodes, resume=resume)
+        except Exception as e:  # noqa: BLE001 - the run cannot be written: say so in the job's output
+            print(f"{stamp()} dtrain: error: cannot record the start in the run {job['run_url']}: {e}", flush=True)
+            return EXIT_FAILURE
     proc = subprocess.Popen(
-        step_command(job, "resume" if resume else "new"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        step_command(job, "resume" if resume else "new"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, RESTARTS_ENV: str(restarts)},
     )
     lines: queue.Queue[str | None] = queue.Queue()
 
@@ -218,11 +237,66 @@ def batch(jobfile: str) -> int:
     proc.wait()
     code = job_code(codes) if not lost and len(codes) >= len(nodes) else EXIT_FAILURE
     print(f"{stamp()} dtrain: job ended with exit code {code} (nodes: {codes})", flush=True)
+    if job.get("program"):
+        requeued = bool(lost) or (code == EXIT_PREEMPTED and not signalled.is_set())
+        program_ended(job, code, requeued=requeued)
     if code == EXIT_PREEMPTED and not lost and not signalled.is_set():
         # The ranks saved a checkpoint after a SIGTERM that was not Slurm's (a node's own shutdown, say).
         print(f"{stamp()} dtrain: preempted: requeueing the job; it resumes from its checkpoint", flush=True)
         _requeue()
     return code
+
+
+def program_started(job: dict[str, Any], *, restarts: int, nodes: list[str], resume: bool) -> None:
+    """A user's program (job["program"]): its run is dtrain's to record, as the SSH launcher does
+    (dtrain.control.userjob.record_start). On its first start, config.json (its job, the world size worked out
+    here); on every start, status.json running with the starts so far. Where the job's directory is one
+    shared by its nodes (a user's cluster), so is the checkpoint directory: it is put back here, once, before
+    any node starts (on dtrain's own clusters every node restores its own: dtrain.common.nodeagent.JobFiles)."""
+    from dtrain.common.nodeagent import smi_gpus
+    from dtrain.common.rundir import read_json, write_json
+    from dtrain.common.storage import open_store
+
+    p = job["program"]
+    with _environ(job_env(job)):
+        run = open_store(job["run_url"])
+        if not run.exists("config.json"):
+            config = {**p["config"], "created": time.time(), "nodes": len(nodes)}
+            if p.get("torchrun"):
+                cpus = int(os.environ.get("SLURM_CPUS_ON_NODE") or os.cpu_count() or 1)
+                with contextlib.suppress(UserError):
+                    config["world_size"] = len(nodes) * processes(job, cpus, len(smi_gpus()))
+            write_json(run, "config.json", config)
+        prev = read_json(run, "status.json") or {}
+        status = {k: v for k, v in prev.items() if k not in ("exit_code", "error", "pid")}
+        status.update(state="running", starts=int(p.get("restarts", 0)) + restarts + 1, updated=time.time(),
+                      host=os.uname().nodename, job_id=os.environ.get("SLURM_JOB_ID", ""))  # fmt: skip
+        write_json(run, "status.json", status)
+        if resume and p.get("shared"):
+            from dtrain.common.mirror import restore
+
+            spec = next(iter(job["specs"].values()))
+            got = restore(open_store(spec["files"]["mirror"]["store"]), Path(spec["files"]["checkpoint_dir"]),
+                          log=lambda m: print(f"{stamp()} dtrain: {m}", flush=True))  # fmt: skip
+            if got is not None:
+                print(f"{stamp()} dtrain: checkpoint directory restored from the run: {got.files} file(s), "
+                      f"{got.bytes} bytes", flush=True)  # fmt: skip
+
+
+def program_ended(job: dict[str, Any], code: int, *, requeued: bool) -> None:
+    """status.json at the end of a program's start: its state and exit code (dtrain.control.userjob.record_end's
+    states), or requeued (it starts again). Best effort: the job's own exit code is what Slurm keeps."""
+    from dtrain.common.rundir import read_json, write_json
+    from dtrain.common.storage import open_store
+
+    states = {EXIT_OK: "completed", EXIT_PREEMPTED: "preempted", EXIT_INTERRUPTED: "interrupted"}
+    with contextlib.suppress(Exception), _environ(job_env(job)):
+        run = open_store(job["run_url"])
+        prev = read_json(run, "status.json") or {}
+        body = {**prev, "state": "requeued" if requeued else states.get(code, "failed"), "updated": time.time()}
+        if not requeued:
+            body["exit_code"] = code
+        write_json(run, "status.json", body)
 
 
 def _next(lines: queue.Queue[str | None]) -> str | None:
@@ -250,17 +324,16 @@ def node_address(name: str) -> str:
     return name
 
 
-def processes(job: dict[str, Any], cpus: int, gpus: int) -> int:
-    """Processes on this node: as asked (checked against its GPUs or cores), else one per GPU, else 2 on
-    2+ cores (as dtrain.control.local.auto_nproc)."""
+def processes(job: dict[str, Any], cpus: int, gpus: int, where: str = "this node") -> int:
+    """Processes on this node for torchrun: the rule every launcher applies (dtrain.common.nproc: as asked,
+    checked against its GPUs or cores and, with --oversubscribe, a per-core ceiling; else one per GPU, else
+    2 on 2+ cores). A command runs once per node. Raises UserError."""
+    from dtrain.common.nproc import processes as rule
+
+    if job.get("program") and not job["program"].get("torchrun"):
+        return 1
     n = int(job.get("nproc") or 0)
-    if not n:
-        return gpus or (2 if cpus >= 2 else 1)
-    limit = gpus or cpus
-    if n > limit and not job.get("oversubscribe"):
-        unit = "GPU(s)" if gpus else "CPU core(s)"
-        raise ValueError(f"--nproc {n} is more processes than this node's {limit} {unit}: use --nproc {limit} or fewer")
-    return n
+    return rule(n, gpus=gpus, cpus=cpus, oversubscribe=bool(job.get("oversubscribe")), where=where)
 
 
 def fill(spec: Any, values: dict[str, str], args: list[str]) -> Any:
@@ -301,15 +374,28 @@ def node(jobfile: str, mode: str) -> int:
     agent: subprocess.Popen | None = None
     alive = threading.Event()
     threading.Thread(target=_heartbeat, args=(name, alive), daemon=True).start()
+    program = job.get("program")
+    stopping: dict[str, Any] = {}  # a program's stop file and grace period, once its spec is filled in
+
+    def tell_agent(word: str) -> None:
+        if agent is not None and agent.stdin is not None:
+            with contextlib.suppress(OSError, ValueError):
+                agent.stdin.write(f"{word}\n".encode())
+                agent.stdin.flush()
 
     def on_signal(signum: int, _frame: Any) -> None:
         got.append(signum)
         # Slurm signals every process of the step; a container's are not among them: tell the agent.
-        if container and agent is not None and agent.stdin is not None:
-            word = "INT" if signum == signal.SIGINT else "TERM"
-            with contextlib.suppress(OSError, ValueError):
-                agent.stdin.write(f"{word}\n".encode())
-                agent.stdin.flush()
+        if container:
+            tell_agent("INT" if signum == signal.SIGINT else "TERM")
+        if stopping and "timer" not in stopping:
+            # A user's program got the signal from Slurm itself; it also gets the stop file, and the grace
+            # period: then the agent kills whatever is left of it (Slurm's own KillWait is longer).
+            with contextlib.suppress(OSError):
+                Path(stopping["file"]).touch()
+            stopping["timer"] = threading.Timer(stopping["grace"], tell_agent, args=("KILL",))
+            stopping["timer"].daemon = True
+            stopping["timer"].start()
 
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)
@@ -319,11 +405,12 @@ def node(jobfile: str, mode: str) -> int:
         cpus = int(os.environ.get("SLURM_CPUS_ON_NODE") or os.cpu_count() or 1)
         gpus = len(smi_gpus())
         try:
-            nproc = processes(job, cpus, gpus)
-        except ValueError as e:
-            emit(f"error: node {name}: {e}")
+            nproc = processes(job, cpus, gpus, where=f"node {name}")
+        except UserError as e:
+            emit(f"error: {e}")
             code = EXIT_USAGE
             return code
+        rank = int(os.environ.get("SLURM_NODEID") or 0)  # this node's index in the allocation (0: the first)
         values = {
             "__dtrain_master_addr__": node_address(master),
             "__dtrain_addr__": node_address(name),
@@ -332,10 +419,23 @@ def node(jobfile: str, mode: str) -> int:
             "__dtrain_threads__": str(max(1, cpus // nproc)),
             "__dtrain_node__": name,
             "__dtrain_nnodes__": os.environ.get("SLURM_JOB_NUM_NODES", "1"),
+            "__dtrain_node_rank__": str(rank),
         }
-        template = job["specs"].get(name) or job["specs"]["*"]
-        spec = fill(template, values, job["argv_resume" if mode == "resume" else "argv_new"])
-        emit(f"dtrain: {mode} on {name} ({values['__dtrain_addr__']}): {nproc} process(es), rendezvous on {master}")
+        key = name if name in job["specs"] else "*"
+        spec = fill(job["specs"][key], values, job["argv_resume" if mode == "resume" else "argv_new"])
+        if program:
+            try:
+                spec = program_spec(job, spec, key=key, name=name, rank=rank, resume=mode == "resume", emit=emit)
+            except UserError as e:  # its requirements did not install: one line naming the node, package and log
+                emit(f"error: {e}")
+                code = EXIT_USAGE
+                return code
+            stopping.update(file=spec["files"]["stop_file"], grace=float(spec.get("grace_s", 45.0)))
+            if got:  # stopped while its requirements were installed: nothing to start
+                code = EXIT_PREEMPTED
+                return code
+        what = f"{nproc} process(es)" if not program or program.get("torchrun") else "the command"
+        emit(f"dtrain: {mode} on {name} ({values['__dtrain_addr__']}): {what}, rendezvous on {master}")
         agent = subprocess.Popen(
             [sys.executable, "-c", AGENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
@@ -348,13 +448,54 @@ def node(jobfile: str, mode: str) -> int:
         code = agent.wait()
         if code == SIGTERM_EXIT and signal.SIGTERM in got:
             code = EXIT_PREEMPTED  # torchrun was sent SIGTERM with its workers, which checkpointed and stopped
+        elif program and signal.SIGINT in got:
+            code = EXIT_INTERRUPTED
+        elif program and signal.SIGTERM in got and code in (EXIT_OK, EXIT_PREEMPTED):
+            code = EXIT_PREEMPTED  # asked to stop, and it did: safe to resume (as dtrain.control.userjob.exit_code)
         return code
     finally:
         alive.set()
+        if "timer" in stopping:
+            stopping["timer"].cancel()
         log.close()
         if not container:
             _keep_log(job, logs / f"{name}.log")
         say(RESULT_PREFIX + json.dumps({"node": name, "exit": code}))
+
+
+def program_spec(
+    job: dict[str, Any], spec: dict[str, Any], *, key: str, name: str, rank: int, resume: bool, emit: Any
+) -> dict[str, Any]:
+    """A user's program on this node: its requirements (dtrain.common.deps, once per node per content hash,
+    in <workdir>/envs: shared by every node where the workdir is shared, under deps' lock), the interpreter
+    that has them, and what differs by node: the rank's copy of the checkpoint directory (on a shared job
+    directory only the first node copies it, and the batch step restored it), the metrics forwarded from
+    the first node, and DTRAIN_RESTART_COUNT (starts before this job's + Slurm's requeues)."""
+    from dtrain.common import deps, jobenv
+
+    p = job["program"]
+    base = p["python"].get(key) or job["python"]
+    result = deps.ensure_env(Path("work"), Path("../../envs"), setup=p.get("setup", []), base_python=base, node=name,
+                             log=lambda m: emit(f"dtrain: {m}"))  # fmt: skip
+    if result.key:
+        emit(f"dtrain: requirements {'installed' if result.created else 'reused'} on {name} ({result.key})")
+    python = result.python
+    if p.get("torchrun"):
+        spec["argv"][0] = python
+    if "/" in python:  # the job's tools (accelerate, deepspeed, ...) and `python` first on PATH
+        spec["path_prepend"] = os.path.dirname(os.path.abspath(python))
+    files = spec["files"]
+    if rank != 0:
+        files["forward"] = []
+    mirror = files.get("mirror")
+    if mirror is not None:
+        if p.get("shared") and rank != 0:
+            del files["mirror"]  # one directory for the job: the first node copies it
+        else:
+            mirror.update(node=rank, restore=resume and not p.get("shared"))
+    restarts = int(os.environ.get(RESTARTS_ENV) or os.environ.get("SLURM_RESTART_COUNT") or 0)
+    spec["env"][jobenv.RESTART_COUNT] = str(int(p.get("restarts", 0)) + restarts)
+    return spec
 
 
 _say_lock = threading.Lock()

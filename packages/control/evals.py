@@ -31,6 +31,7 @@ from dtrain.common.errors import ExitCode, UserError
 from dtrain.common.procs import dies_with_parent
 from dtrain.common.rundir import locate
 from dtrain.common.storage import Store, is_remote
+from dtrain.control import launchers
 from dtrain.control.cluster import Cluster
 from dtrain.control.events import Event, Events, Handle, Stop
 from dtrain.evaluate import records
@@ -38,7 +39,6 @@ from dtrain.evaluate import records
 MODULE = "dtrain.evaluate"
 SHUTDOWN_GRACE_S = 10.0  # an evaluation has nothing to save: after SIGINT/SIGTERM it gets this long
 POLL_S = 0.2
-WORKLOADS = ("mnist", "lora")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,16 +94,14 @@ def resolve(req: RunRequest) -> Target:
     """The run the request names and the cluster to work on: the one place that turns the CLI's or the
     dashboard's words into a run directory."""
     from dtrain.control import backends
-    from dtrain.control.settings import DEFAULT, get_cluster, load_settings
+    from dtrain.control.settings import get_cluster, load_settings, run_output
 
     settings = load_settings(req.config_path, {"run.output": req.output, "run.cluster": req.cluster})
     where = backends.resolve(get_cluster(settings))
-    out = settings.run.output
-    if where.default_output and settings.source("run.output") == DEFAULT:
-        out = where.default_output  # a gcp cluster's runs are in its bucket
+    out = run_output(settings, where)  # a gcp cluster's runs are in its bucket
     run = locate(out, req.run)
     saved = records.run_config(run)
-    if where.launcher == "local":
+    if not launchers.over_ssh(where):
         return Target(run, saved, None)
     if where.image:
         raise UserError(
@@ -138,8 +136,11 @@ def plan_eval(req: EvalRequest) -> EvalPlan:
     target = resolve(req)
     if req.queue:
         need_slurm(target)
-    if target.workload not in WORKLOADS:
-        known = ", ".join(WORKLOADS)
+    from dtrain.control.settings import WORKLOADS
+
+    evaluable = [name for name, b in WORKLOADS.items() if b.evaluate]
+    if target.workload not in evaluable:
+        known = ", ".join(evaluable)
         raise UserError(f"run {target.run.url} is a {target.workload} run: dtrain eval knows {known} runs")
     need_torch_here(target)
     argv = _common_argv(target, req)

@@ -23,15 +23,19 @@ SETTING_OPTIONS = {
 LAUNCH_OPTIONS = ("image", "accept_new_host_keys", "oversubscribe")
 
 
-def resolve_job(argv: Sequence[str], config_path: Path | None) -> tuple[Job, dict[str, Any], dict[str, Any]]:
-    """(the job, settings flags for load_settings, launch-only options) for `dtrain train ARGV`."""
-    from dtrain.control.program import Parsed, Program
+def resolve_job(
+    argv: Sequence[str], config_path: Path | None, *, submit: bool = False
+) -> tuple[Job, dict[str, Any], dict[str, Any]]:
+    """(the job, settings flags for load_settings, launch-only options) for `dtrain train ARGV`, or with
+    `submit` for `dtrain submit ARGV` (its own options, program.SUBMIT_OPTIONS, among the launch options)."""
+    from dtrain.control.program import SUBMIT_OPTIONS, Parsed, Program
     from dtrain.control.settings import WORKLOADS, load_settings
 
-    parsed: Parsed = parse_command_line(argv)
+    extra = SUBMIT_OPTIONS if submit else []
+    parsed: Parsed = parse_command_line(argv, extra)
     o = parsed.options
     flags = {key: o.get(dest) for dest, key in SETTING_OPTIONS.items()}
-    launch = {k: o.get(k) for k in LAUNCH_OPTIONS}
+    launch = {k: o.get(k) for k in (*LAUNCH_OPTIONS, *(opt.dest for opt in extra))}
     settings = load_settings(config_path, {})  # the file's [jobs] tables, and the file checked as a whole
     workdir = Path(o["workdir"]).resolve() if o.get("workdir") else Path.cwd().resolve()
     if parsed.program is not None:
@@ -68,6 +72,8 @@ def resolve_job(argv: Sequence[str], config_path: Path | None) -> tuple[Job, dic
         job = dataclasses.replace(job, setup=(*job.setup, *o["setup"]))
     if o.get("env"):
         job = dataclasses.replace(job, env={**job.env, **o["env"]})
+    if o.get("code_limit") is not None:
+        job = dataclasses.replace(job, code_limit_mb=o["code_limit"])
     if o.get("checkpoint_dir"):
         job = dataclasses.replace(job, checkpoint_dir=o["checkpoint_dir"])
     if o.get("nodes") is not None:
@@ -88,6 +94,14 @@ def resumed_job(resume: str, flags: dict[str, Any], config_path: Path | None) ->
     if cfg.get("kind") != "program" or not isinstance(saved, dict):
         what = cfg.get("workload") or "?"
         raise UserError(f"run {run.url} is a built-in {what} run: resume it with dtrain train {what} --resume {resume}")
+    # The run's own processes per node unless --nproc says otherwise: the default (2 on CPU, one per GPU)
+    # may differ from what it started with, and another world size trains differently from its checkpoint.
+    # And on the cluster it ran on, unless --cluster (or the settings) name another: a run is moved on purpose.
+    if flags.get("run.cluster") is None and settings.source("run.cluster") == "default" and cfg.get("cluster"):
+        flags["run.cluster"] = cfg["cluster"]
+    world, nodes = cfg.get("world_size"), cfg.get("nodes")
+    if flags.get("run.nproc") is None and isinstance(world, int) and isinstance(nodes, int) and world > 0 < nodes:
+        flags["run.nproc"] = world // nodes
     return Job(
         name=str(saved["name"]),
         program=Program.from_json(saved["program"]),
@@ -96,4 +110,5 @@ def resumed_job(resume: str, flags: dict[str, Any], config_path: Path | None) ->
         env=dict(saved.get("env") or {}),
         nodes=int(saved.get("nodes") or 0),
         checkpoint_dir=str(saved.get("checkpoint_dir") or ""),
+        code_limit_mb=int(saved.get("code_limit_mb") or 0),
     )

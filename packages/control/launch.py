@@ -59,20 +59,13 @@ def resolve(req: LaunchRequest) -> Resolved:
     saved config beneath the file, environment and flags, and validate the workload's whole config."""
     from dtrain.common.rundir import locate, read_json
     from dtrain.control import backends
-    from dtrain.control.settings import DEFAULT, get_cluster, load_settings
+    from dtrain.control.settings import get_cluster, load_settings, run_output
 
     workload = req.workload
     settings = load_settings(req.config_path, req.flags)
     cfg = get_cluster(settings)
     cluster = backends.get(cfg.backend).cluster(cfg)
-    output = settings.run.output
-    if cluster.default_output and settings.source("run.output") == DEFAULT:
-        output = cluster.default_output  # a gcp cluster's runs go to its bucket
-    if cluster.launcher == "local" and req.image:
-        raise UserError(
-            "--image runs the job in containers on a cluster's nodes: add --cluster NAME (a hosts or gcp cluster); "
-            "on this machine use `docker compose --profile cpu up` or docker run (see compose.yaml)"
-        )
+    output = run_output(settings, cluster)  # a gcp cluster's runs go to its bucket
     if cluster.needs_image and not (req.image or cluster.image):
         raise UserError(
             f"cluster {cluster.name!r} has no training image: run dtrain build --cluster {cluster.name} (it "
@@ -93,60 +86,30 @@ def resolve(req: LaunchRequest) -> Resolved:
 
 
 def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResult:
-    """Resolve the settings and run the workload to its end; returns the job's exit code."""
-    workload = req.workload
+    """Resolve the settings and run the built-in to its end, through its cluster's launcher like any program
+    (its module under torchrun, with its flags); returns the job's exit code."""
+    from dtrain.control import launchers
+    from dtrain.control.program import MODULE, Job, Program
+    from dtrain.control.settings import builtin
+
     r = resolve(req)
-    settings, cluster, output, resumed = r.settings, r.cluster, r.output, r.resumed
-
-    if cluster.launcher == "slurm":  # an allocation, then the same torchrun, followed until it ends
-        from dtrain.control.slurm.jobs import run_job
-
-        return run_job(req, r, events=events, handle=handle)
-
-    if cluster.launcher == "local":
-        from dtrain.control.local import plan_local, run_local
-
-        plan = plan_local(
-            workload,
-            settings.explicit(workload),
-            nproc=settings.launch.nproc,
-            max_restarts=settings.launch.max_restarts,
-            output=settings.run.output,
-            resumed=resumed,
-            oversubscribe=req.oversubscribe,
-            tty=req.tty,
-            debug=req.debug,
-        )
-        verb = "resuming" if plan.resuming else "starting"
-        events.emit(
-            "launch",
-            f"{verb} {workload} run {plan.run_id} on this machine: {plan.nproc} process(es) x {plan.threads} thread(s)",
-            run_id=plan.run_id,
-            workload=workload,
-            nodes=1,
-            nproc=plan.nproc,
-        )
-        code = run_local(plan, handle=handle)
-        return LaunchResult(workload, plan.run_id, plan.run.url, code, "")
-
-    from dtrain.control.remote import launch_cluster
-
-    code, run, run_id = launch_cluster(
-        workload,
-        settings.explicit(workload),
-        cluster=cluster,
-        nproc=settings.launch.nproc,
-        max_restarts=settings.launch.max_restarts,
-        output=output,
-        resumed=resumed,
-        accept_new_host_keys=req.accept_new_host_keys,
-        events=events,
-        handle=handle,
-        image=req.image,
-        oversubscribe=req.oversubscribe,
-        debug=req.debug,
+    job = Job(
+        name=req.workload, program=Program(kind=MODULE, target=builtin(req.workload).module), builtin=req.workload
     )
-    return LaunchResult(workload, run_id, run.url, code, cluster.name)
+    plan = launchers.Plan(
+        job=job,
+        target=None,  # a built-in's run is placed by its own flags (--run-dir): control.local.run_target
+        cluster=r.cluster,
+        nproc=r.settings.launch.nproc,
+        max_restarts=r.settings.launch.max_restarts,
+        image=req.image,
+        accept_new_host_keys=req.accept_new_host_keys,
+        oversubscribe=req.oversubscribe,
+        tty=req.tty,
+        debug=req.debug,
+        builtin=(req, r),
+    )
+    return launchers.get(r.cluster.launcher).launch(plan, events=events, handle=handle)
 
 
 def next_step(result: LaunchResult, resume_hint: str = "") -> str:

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.nproc import MAX_PROCS_PER_CORE, auto_nproc, processes  # noqa: F401  # their home: common
 from dtrain.common.procs import dies_with_parent
 from dtrain.common.rundir import read_json, run_location, write_json
 from dtrain.common.storage import Store
@@ -31,9 +32,6 @@ from dtrain.control.events import Handle, Stop
 
 SHUTDOWN_GRACE_S = 45.0  # torchrun gives workers 30 s after SIGTERM; GCP gives ~30 s before stop
 POLL_S = 0.2
-# --oversubscribe lifts the one-process-per-core (or per-GPU) limit up to this many per core: past
-# it a machine spends its time switching processes and its memory on copies of torch.
-MAX_PROCS_PER_CORE = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,36 +61,6 @@ def count_gpus() -> int:
     return min(n, len([v for v in visible.split(",") if v.strip()])) if visible else n
 
 
-def auto_nproc(gpus: int, cpus: int) -> int:
-    """One process per GPU; on CPU, two processes (real DDP) when there are two cores or more,
-    each with half the cores as threads."""
-    if gpus:
-        return gpus
-    return 2 if cpus >= 2 else 1
-
-
-def processes(nproc: int, *, gpus: int, cpus: int, oversubscribe: bool, where: str = "this machine") -> int:
-    """The processes to start per node: `nproc` (0: auto), refused past one per GPU (with GPUs) or one
-    per core (without), unless `oversubscribe`; never past MAX_PROCS_PER_CORE per core."""
-    if not nproc:
-        return auto_nproc(gpus, cpus)
-    ceiling = MAX_PROCS_PER_CORE * cpus
-    if oversubscribe:
-        if nproc > ceiling:
-            raise UserError(
-                f"--nproc {nproc} is more than {MAX_PROCS_PER_CORE} processes per core even with --oversubscribe "
-                f"({where} has {cpus} cores): use --nproc {ceiling} or fewer"
-            )
-        return nproc
-    limit, unit = (gpus, "GPU(s)") if gpus else (cpus, "CPU core(s)")
-    if nproc > limit:
-        raise UserError(
-            f"--nproc {nproc} is more processes than {where}'s {limit} {unit}: use --nproc {limit} or fewer, "
-            "or add --oversubscribe to run more anyway"
-        )
-    return nproc
-
-
 def run_target(
     workload: str, workload_args: Mapping[str, Any], output: str, resumed: Store | None
 ) -> tuple[str, Store, dict[str, Any]]:
@@ -109,6 +77,7 @@ def plan_local(
     workload: str,
     workload_args: Mapping[str, Any],
     *,
+    module: str,
     nproc: int,
     max_restarts: int,
     output: str,
@@ -148,7 +117,7 @@ def plan_local(
         "--max-restarts",
         str(max_restarts),
         "-m",
-        f"dtrain.{workload}.train",
+        module,
         *to_argv(args),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dtrain.common.errors import UserError
+from dtrain.control import launchers
 from dtrain.control.cluster import Cluster, Node
 from dtrain.control.events import Events, Handle
 
@@ -25,7 +26,7 @@ def ssh_to(cluster: Cluster, accept_new: bool) -> Any:
     """An SSH session to the cluster's nodes; a cluster that is this machine has none."""
     from dtrain.control.ssh import SSH
 
-    if cluster.launcher == "local":
+    if not launchers.over_ssh(cluster):
         raise UserError(
             "this command runs on a cluster's nodes: pass --cluster NAME (a [clusters.NAME] in dtrain.toml)"
         )
@@ -66,7 +67,7 @@ GPU_COMMAND = (
 
 def gpus(cluster: Cluster, *, accept_new_host_keys: bool = False) -> dict[str, list[GpuRow] | str]:
     """Every node's GPUs as nvidia-smi reports them; a string says why a node has none to show."""
-    if cluster.launcher == "local":
+    if not launchers.over_ssh(cluster):
         p = subprocess.run(["sh", "-c", GPU_COMMAND], capture_output=True, text=True, check=False)
         return {cluster.master.name: _gpu_result(p.returncode, p.stdout, p.stderr)}
     with ssh_to(cluster, accept_new_host_keys) as ssh:

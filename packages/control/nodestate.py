@@ -10,6 +10,7 @@ import subprocess
 from typing import Any
 
 from dtrain.common.errors import UserError
+from dtrain.control import launchers
 from dtrain.control.cluster import Cluster, Node
 from dtrain.control.nodes import GPU_COMMAND, GpuRow, _gpu_result
 
@@ -49,7 +50,7 @@ def node_states(cluster: Cluster, ssh: Any = None) -> list[NodeState]:
     """Every node's state, master first. `ssh` is an open dtrain.control.ssh.SSH session to reuse
     (a service polling every few seconds keeps one); without it one is opened and closed here.
     A cluster that is this machine is read without SSH."""
-    if cluster.launcher == "local":
+    if not launchers.over_ssh(cluster):
         node = cluster.master
         p = subprocess.run(["sh", "-c", HOST_COMMAND], capture_output=True, text=True, check=False, timeout=60)
         return [parse_state(node, p.returncode, p.stdout, p.stderr)]

@@ -52,6 +52,7 @@ JOB_KEYS = {
     "image": "a Docker image to run in (container mode)",
     "max_restarts": "relaunches of the whole job after a failure",
     "checkpoint_dir": "where the program writes checkpoints, relative to workdir (default: dtrain's own)",
+    "code_limit": "the most MB of working directory to sync (default 200)",
 }
 
 
@@ -110,6 +111,7 @@ class Job:
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     nodes: int = 0
     checkpoint_dir: str = ""  # relative to workdir; "" is dtrain's own per-run directory
+    code_limit_mb: int = 0  # the most the working directory may hold to sync; 0: codesync's default
     builtin: str = ""  # the built-in workload's name (its config, eval and export hang off it)
 
     def to_json(self) -> dict[str, Any]:
@@ -121,6 +123,7 @@ class Job:
             "env": dict(self.env),
             "nodes": self.nodes,
             "checkpoint_dir": self.checkpoint_dir,
+            "code_limit_mb": self.code_limit_mb,
             "builtin": self.builtin,
         }
 
@@ -192,15 +195,27 @@ OPTIONS = [
         True,
         help="the folder (in workdir) the program saves checkpoints in; default: $DTRAIN_CHECKPOINT_DIR's own",
     ),
+    Option(
+        "--code-limit",
+        "code_limit",
+        True,
+        convert=_nonneg_int("--code-limit"),
+        help="the most MB of working directory to sync (default 200)",
+    ),
     Option("--image", "image", True, help="run in this Docker image on every node (container mode)"),
     Option("--accept-new-host-keys", "accept_new_host_keys", False, help="trust first-seen SSH host keys"),
     Option("--oversubscribe", "oversubscribe", False, help="allow more processes than cores (or GPUs)"),
 ]
 _BY_NAME = {o.name: o for o in OPTIONS}
+# `dtrain submit`'s own, besides OPTIONS: not dtrain train's, so `dtrain train train.py --name x` still gives
+# --name to the script.
+SUBMIT_OPTIONS = [Option("--name", "name", True, help="the Slurm job's name (default: the job's)")]
 
 
-def parse_command_line(argv: Sequence[str]) -> Parsed:
-    """Split `dtrain train`'s arguments (everything after `train`). Raises UserError for a malformed line."""
+def parse_command_line(argv: Sequence[str], extra: Sequence[Option] = ()) -> Parsed:
+    """Split `dtrain train`'s arguments (everything after `train`; `extra`: a command's own options besides
+    OPTIONS, such as SUBMIT_OPTIONS). Raises UserError for a malformed line."""
+    by_name = {**_BY_NAME, **{o.name: o for o in extra}}
     argv = list(argv)
     tail: list[str] = []
     if "--" in argv:
@@ -213,7 +228,7 @@ def parse_command_line(argv: Sequence[str]) -> Parsed:
     while i < len(argv):
         tok = argv[i]
         name, eq, inline = tok.partition("=")
-        opt = _BY_NAME.get(name) if tok.startswith("--") else None
+        opt = by_name.get(name) if tok.startswith("--") else None
         if opt is not None:
             if opt.takes_value:
                 if eq:
@@ -239,7 +254,7 @@ def parse_command_line(argv: Sequence[str]) -> Parsed:
             i += 1
             head.append(argv[i])
         elif not head and tok.startswith("-"):
-            close = difflib.get_close_matches(name, list(_BY_NAME), n=1)
+            close = difflib.get_close_matches(name, list(by_name), n=1)
             hint = f"did you mean {close[0]}? " if close else ""
             raise UserError(
                 f"unknown option {name} before the program: {hint}put the program's own options after it "
@@ -368,6 +383,7 @@ def parse_job_table(name: str, table: Any, *, src: str, base: Path) -> JobTable:
         env=dict(env),
         nodes=integer("nodes") or 0,
         checkpoint_dir=string("checkpoint_dir"),
+        code_limit_mb=integer("code_limit") or 0,
     )
     return JobTable(
         job=job,

@@ -89,9 +89,12 @@ class NodeInfo:
 
 
 def workload_packages() -> list[str]:
+    """dtrain's node-side packages: common (the agent, torchrun's wrapper, checkpoints), sdk (for users'
+    programs), evaluate (runs draw their curves; `dtrain eval --cluster`) and each built-in's own package."""
     from dtrain.control.settings import WORKLOADS
 
-    return ["common", *WORKLOADS, "evaluate"]  # evaluate: runs draw their curves; `dtrain eval --cluster`
+    own = [b.module.split(".")[1] for b in WORKLOADS.values() if b.module.startswith("dtrain.")]
+    return ["common", "sdk", *dict.fromkeys(own), "evaluate"]
 
 
 def code_archive() -> tuple[bytes, str]:
@@ -655,6 +658,7 @@ def launch_cluster(
     workload: str,
     workload_args: dict[str, Any],
     *,
+    module: str,
     cluster: Cluster,
     nproc: int,
     max_restarts: int,
@@ -707,7 +711,7 @@ def launch_cluster(
                     node.name: job_spec(
                         cluster,
                         node,
-                        module=f"dtrain.{workload}.train",
+                        module=module,
                         run_id=run_id,
                         nproc=n,
                         threads=max(1, infos[node.name].cpus // n),

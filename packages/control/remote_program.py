@@ -50,7 +50,6 @@ from dtrain.control.ssh import SSH
 from dtrain.control.userjob import (
     CKPT_PREFIX,
     MIRROR_INTERVAL_S,
-    ProgramRequest,
     Target,
     contract_env,
     record_end,
@@ -67,12 +66,25 @@ def project_key(workdir: Path) -> str:
     return f"{workdir.name or 'root'}-{hashlib.sha256(where.encode()).hexdigest()[:10]}"
 
 
-def sync_workdir(ssh: SSH, t: Target, workdir: Path, exclude: list[str], events: Events) -> None:
-    """The working directory to every node at once (only what changed), and this run's snapshot of it."""
+def sync_excludes(job: Any, run_url: str) -> list[str]:
+    """What of the working directory is not code: the nodes' own checkpoint directory, and a run's output
+    that lives inside it (gitignore patterns, relative to the working directory)."""
+    exclude = [f"/{job.checkpoint_dir.strip('/')}/"] if job.checkpoint_dir else []
+    out = Path(run_url).resolve() if not is_remote(run_url) else None
+    if out is not None and job.workdir in out.parents:
+        exclude.append("/" + out.parent.relative_to(job.workdir).as_posix() + "/")
+    return exclude
+
+
+def sync_workdir(
+    ssh: SSH, t: Target, workdir: Path, exclude: list[str], events: Events, *, nodes: Any = None, limit_mb: int = 0
+) -> None:
+    """The working directory to every node at once (only what changed), and this run's snapshot of it;
+    `nodes`: the hosts that hold the run's files, when not every node of ssh's cluster (a Slurm login node)."""
     from dtrain.common.codesync import scan, send
 
     t0 = time.monotonic()
-    manifest = scan(workdir, exclude=exclude)
+    manifest = scan(workdir, exclude=exclude, **({"limit_bytes": limit_mb << 20} if limit_mb else {}))
     key = project_key(workdir)
 
     def one(node: Node) -> Any:
@@ -97,7 +109,7 @@ def sync_workdir(ssh: SSH, t: Target, workdir: Path, exclude: list[str], events:
             p.wait(timeout=CODE_SYNC_TIMEOUT_S)
         return stats
 
-    stats = ssh.each(one)
+    stats = ssh.each(one, nodes)
     files = sum(s.files_sent for s in stats.values())
     sent = sum(s.bytes_sent for s in stats.values())
     what = "unchanged" if files == 0 else f"{files} file(s), {sent:,} bytes sent"
@@ -143,13 +155,12 @@ def ensure_deps(ssh: SSH, t: Target, setup: tuple[str, ...], events: Events) -> 
     return {n: str(r["python"]) for n, r in results.items()}
 
 
-def launch_program_cluster(
-    req: ProgramRequest, t: Target, *, cluster: Cluster, nproc: int, max_restarts: int, events: Events, handle: Handle
-) -> int:
-    """Run the program on every node of `cluster`; returns the job's exit code."""
+def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
+    """Run the program of `plan` (a launchers.Plan) on every node of its cluster; returns the job's exit code."""
     import dataclasses
 
-    job = req.job
+    req, job, t, cluster = plan, plan.job, plan.target, plan.cluster
+    nproc, max_restarts = plan.nproc, plan.max_restarts
     assert job.workdir is not None
     if req.image or cluster.image:
         raise UserError(
@@ -161,10 +172,7 @@ def launch_program_cluster(
             f"a run on {len(cluster.nodes)} nodes needs --output that every node reaches: a gs://bucket/prefix "
             f"(or set shared_fs = true in [clusters.{cluster.name}] if it is a shared filesystem)"
         )
-    exclude = [f"/{job.checkpoint_dir.strip('/')}/"] if job.checkpoint_dir else []  # the nodes' own, not code
-    out = Path(t.run.url).resolve() if not is_remote(t.run.url) else None
-    if out is not None and job.workdir in out.parents:
-        exclude.append("/" + out.parent.relative_to(job.workdir).as_posix() + "/")
+    exclude = sync_excludes(job, t.run.url)
     archive, digest = code_archive()
     logs = LogFiles(t.run_id, t.run)
     code = int(ExitCode.FAILURE)
@@ -175,7 +183,7 @@ def launch_program_cluster(
             ssh.connect_all()
             t0 = time.monotonic()
             sync_code(ssh, t.run_id, archive)
-            sync_workdir(ssh, t, job.workdir, exclude, events)
+            sync_workdir(ssh, t, job.workdir, exclude, events, limit_mb=job.code_limit_mb)
             pythons = ensure_deps(ssh, t, job.setup, events)
             nodes = tuple(dataclasses.replace(n, python=pythons[n.name]) for n in cluster.nodes)
             cluster = dataclasses.replace(cluster, nodes=nodes)
@@ -189,7 +197,14 @@ def launch_program_cluster(
                 for node in cluster.nodes:
                     i = infos[node.name]
                     processes(n, gpus=i.gpus, cpus=i.cpus, oversubscribe=req.oversubscribe, where=f"node {node.name}")
-            record_start(t, job, cluster=cluster.name, nodes=len(cluster.nodes), nproc=n)
+            record_start(
+                t,
+                job,
+                cluster=cluster.name,
+                nodes=len(cluster.nodes),
+                nproc=n,
+                hosts=tuple(x.name for x in cluster.nodes),
+            )
             while True:
                 check_port(ssh, t.run_id, cluster.master, cluster.rdzv_port, cluster.nodes[1:], "rendezvous")
                 restore = t.resumed or attempt > 0
@@ -241,7 +256,7 @@ def launch_program_cluster(
 
 
 def program_spec(
-    req: ProgramRequest, t: Target, cluster: Cluster, node: Node, *, rank: int, nproc: int, threads: int, restore: bool
+    req: Any, t: Target, cluster: Cluster, node: Node, *, rank: int, nproc: int, threads: int, restore: bool
 ) -> dict[str, Any]:
     """What `nodeagent run` starts on `node` for a user's program (paths relative to the node's run directory)."""
     job = req.job

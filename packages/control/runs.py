@@ -161,6 +161,17 @@ def _status(status: dict[str, Any]) -> str:
     return state
 
 
+BEST_LABELS = {"eval_accuracy": "acc", "eval_loss": "eval loss"}
+
+
+def best_label(row: dict[str, Any]) -> str:
+    """A runs-table row's best metric as people read it ("acc 0.9123"), or "-": the CLI and the dashboard."""
+    if row.get("best_value") is None:
+        return "-"
+    name = row.get("best_metric") or ""
+    return f"{BEST_LABELS.get(name, name)} {row['best_value']:.4f}"
+
+
 def best_metric(rows: list[dict[str, Any]]) -> tuple[str | None, float | None]:
     """The best eval_accuracy (or lowest eval_loss) of a run's metrics rows."""
     acc = [r["eval_accuracy"] for r in rows if isinstance(r.get("eval_accuracy"), (int, float))]

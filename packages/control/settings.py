@@ -70,13 +70,51 @@ INTERNAL_ENV_PREFIX = "DTRAIN_INTERNAL_"
 DEFAULT = "default"
 REQUIRED = "required"  # the source of a key that has no default and was not set
 
-# Workload name -> "module:Class" of its config, a kw_only dataclass with one nested RunConfig
-# field. Imported lazily. A new workload is one more entry here: its [section], DTRAIN_<NAME>_*
-# variables and `config show` rows follow from the dataclass.
-WORKLOADS: dict[str, str] = {
-    "mnist": "dtrain.mnist.config:MnistConfig",
-    "lora": "dtrain.lora.config:LoraConfig",
+
+@dataclasses.dataclass(frozen=True)
+class Builtin:
+    """A built-in example: a program (`module`, run under torchrun like any user's -m module) with a typed
+    config (`config`: "module:Class", a kw_only dataclass with one nested RunConfig) from which its
+    `dtrain train NAME` flags, [NAME] section and DTRAIN_NAME_* variables follow. `evaluate`: it has
+    `dtrain eval` / `export` support in dtrain.evaluate."""
+
+    config: str
+    module: str
+    evaluate: bool = False
+
+
+# The built-in examples. A new one is one entry here (and its package); a user's own package can add one
+# through the "dtrain.workloads" entry-point group, whose entries load a Builtin (see builtins()).
+WORKLOADS: dict[str, Builtin] = {
+    "mnist": Builtin("dtrain.mnist.config:MnistConfig", "dtrain.mnist.train", evaluate=True),
+    "lora": Builtin("dtrain.lora.config:LoraConfig", "dtrain.lora.train", evaluate=True),
 }
+ENTRY_POINTS = "dtrain.workloads"
+
+
+def _add_entry_points() -> None:
+    """Built-ins that installed packages declare (entry-point group dtrain.workloads, name -> a Builtin)."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINTS):
+        if ep.name in WORKLOADS:
+            continue  # dtrain's own come first
+        try:
+            b = ep.load()
+        except Exception as e:  # noqa: BLE001 - a broken plug-in must not break dtrain
+            print(f"dtrain: warning: entry point {ep.name} ({ep.value}) does not load: {e}", file=sys.stderr)
+            continue
+        if isinstance(b, Builtin):
+            WORKLOADS[ep.name] = b
+
+
+_add_entry_points()
+
+
+def builtin(name: str) -> Builtin:
+    if name not in WORKLOADS:
+        raise UserError(f"unknown workload {name!r} (known: {', '.join(sorted(WORKLOADS))})")
+    return WORKLOADS[name]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -146,9 +184,7 @@ class _Value(NamedTuple):
 
 def workload_class(name: str) -> type:
     """The config dataclass of a registered workload."""
-    if name not in WORKLOADS:
-        raise UserError(f"unknown workload {name!r} (known: {', '.join(sorted(WORKLOADS))})")
-    module, _, attr = WORKLOADS[name].partition(":")
+    module, _, attr = builtin(name).config.partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
@@ -314,6 +350,21 @@ def get_cluster(settings: Settings, name: str | None = None) -> ClusterConfig:
         f"unknown cluster {name!r}{where}; no clusters are defined: add a [clusters.{name}] table "
         f"with backend = {kinds} to {file}"
     )
+
+
+def run_output(settings: Settings, cluster: Cluster | None = None) -> str:
+    """Where runs go: the output the user set (flag, DTRAIN_OUTPUT, [run] output), else the cluster's own
+    default (a gcp cluster's bucket), else ./runs. `cluster`: the resolved cluster, when the caller has it;
+    without it, run.cluster's (a cluster whose nodes cannot be read now, say one not up, gives ./runs)."""
+    if settings.source("run.output") != DEFAULT:
+        return settings.run.output
+    if cluster is None:
+        cfg = get_cluster(settings)
+        try:
+            cluster = backends.resolve(cfg)
+        except UserError:
+            return settings.run.output
+    return cluster.default_output or settings.run.output
 
 
 def cluster_config(config_path: Path | None, name: str | None) -> ClusterConfig:

@@ -88,23 +88,24 @@ def program_target(job: Job, output: str, run_id: str, resume: str) -> Target:
     return Target(rid, run, 0, False)
 
 
-def record_start(t: Target, job: Job, *, cluster: str, nodes: int, nproc: int) -> None:
-    """config.json for a new run (a resumed one keeps its own), and status.json: running."""
+def program_config(t: Target, job: Job, *, cluster: str, nodes: int, nproc: int | None) -> dict[str, Any]:
+    """A program run's config.json (nproc None: worked out on the nodes, as for a queued Slurm job)."""
+    return {
+        "workload": job.name,
+        "kind": "program",
+        "job": job.to_json(),
+        "run_id": t.run_id,
+        "created": time.time(),
+        "cluster": cluster,
+        "world_size": nodes * nproc if job.program.under_torchrun and nproc else None,
+        "nodes": nodes,
+    }
+
+
+def record_start(t: Target, job: Job, *, cluster: str, nodes: int, nproc: int, hosts: tuple[str, ...] = ()) -> None:
+    """config.json for a new run (a resumed one keeps its own), and status.json: running, on `hosts`."""
     if not t.resumed:
-        write_json(
-            t.run,
-            "config.json",
-            {
-                "workload": job.name,
-                "kind": "program",
-                "job": job.to_json(),
-                "run_id": t.run_id,
-                "created": time.time(),
-                "cluster": cluster,
-                "world_size": nodes * nproc if job.program.under_torchrun else None,
-                "nodes": nodes,
-            },
-        )
+        write_json(t.run, "config.json", program_config(t, job, cluster=cluster, nodes=nodes, nproc=nproc))
     prev = read_json(t.run, "status.json") or {}
     write_json(
         t.run,
@@ -116,6 +117,7 @@ def record_start(t: Target, job: Job, *, cluster: str, nodes: int, nproc: int) -
             "updated": time.time(),
             "host": os.uname().nodename,
             "pid": os.getpid(),
+            "peers": [{"host": h} for h in hosts or (os.uname().nodename,)],
         },
     )
 
@@ -176,18 +178,26 @@ def contract_env(
 
 def launch_program(req: ProgramRequest, *, events: Events, handle: Handle) -> LaunchResult:
     """Run the job to its end where the settings say; returns the job's exit code."""
-    from dtrain.control import backends
-    from dtrain.control.settings import DEFAULT, get_cluster, load_settings
+    from dtrain.control import launchers
+
+    plan = program_plan(req)
+    return launchers.get(plan.cluster.launcher).launch(plan, events=events, handle=handle)
+
+
+def program_plan(req: ProgramRequest) -> Any:
+    """The request resolved once (settings, cluster, output, the run) into a launchers.Plan: for `dtrain
+    train` (launch_program) and `dtrain submit` (dtrain.control.slurm.programs)."""
+    from dtrain.control import backends, launchers
+    from dtrain.control.settings import get_cluster, load_settings, run_output
 
     job = req.job
     check_program(job)
     settings = load_settings(req.config_path, req.flags)
     cfg = get_cluster(settings)
     cluster = backends.get(cfg.backend).cluster(cfg)
-    output = settings.run.output
-    if cluster.default_output and settings.source("run.output") == DEFAULT:
-        output = cluster.default_output
-    if job.nodes:
+    output = run_output(settings, cluster)
+    # A Slurm cluster's nodes are Slurm's to pick from its partition (which is checked there).
+    if job.nodes and cluster.slurm is None:
         if job.nodes > len(cluster.nodes):
             raise UserError(
                 f"--nodes {job.nodes} is more than cluster {cluster.name or 'this machine'}'s "
@@ -195,35 +205,29 @@ def launch_program(req: ProgramRequest, *, events: Events, handle: Handle) -> La
             )
         cluster = dataclasses.replace(cluster, nodes=cluster.nodes[: job.nodes])
     t = program_target(job, output, settings.run.run_id, settings.run.resume)
-    if cluster.launcher == "local":
-        if req.image:
-            raise UserError("--image runs a job in containers on a cluster's nodes: add --cluster NAME")
-        code = run_program_here(req, t, nproc=settings.launch.nproc, max_restarts=settings.launch.max_restarts,
-                                events=events, handle=handle)  # fmt: skip
-        return LaunchResult(job.name, t.run_id, t.run.url, code, "")
-    if cluster.launcher == "ssh":
-        from dtrain.control.remote_program import launch_program_cluster
-
-        code = launch_program_cluster(
-            req, t, cluster=cluster, nproc=settings.launch.nproc, max_restarts=settings.launch.max_restarts,
-            events=events, handle=handle,
-        )  # fmt: skip
-        return LaunchResult(job.name, t.run_id, t.run.url, code, cluster.name)
-    raise UserError(
-        f"cluster {cluster.name!r} queues jobs on Slurm: your own programs cannot run there yet; "
-        "run them on a hosts or gcp cluster's nodes directly (their launcher is SSH)"
+    return launchers.Plan(
+        job=job,
+        target=t,
+        cluster=cluster,
+        nproc=settings.launch.nproc,
+        max_restarts=settings.launch.max_restarts,
+        image=req.image,
+        accept_new_host_keys=req.accept_new_host_keys,
+        oversubscribe=req.oversubscribe,
+        tty=req.tty,
+        debug=req.debug,
+        grace_s=req.grace_s,
     )
 
 
-def run_program_here(
-    req: ProgramRequest, t: Target, *, nproc: int, max_restarts: int, events: Events, handle: Handle
-) -> int:
-    """The program on this machine, in its working directory (nothing to sync)."""
+def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
+    """The program of `plan` (a launchers.Plan) on this machine, in its working directory (nothing to sync)."""
     from dtrain.common import deps
     from dtrain.common.env import cache_dir
     from dtrain.control.local import count_gpus, processes
 
-    job = req.job
+    job, t, nproc, max_restarts = plan.job, plan.target, plan.nproc, plan.max_restarts
+    req = plan
     assert job.workdir is not None
     gpus, cpus = count_gpus(), os.cpu_count() or 1
     n = processes(nproc, gpus=gpus, cpus=cpus, oversubscribe=req.oversubscribe) if job.program.under_torchrun else 1
@@ -249,6 +253,8 @@ def run_program_here(
         ckpt = Path(t.run.url) / "checkpoints" if local_run else node_dir / "checkpoints"
     ckpt.mkdir(parents=True, exist_ok=True)
     mirror = None
+    job_pids: list[int] = []  # the job's process tree, as supervise last saw it
+    killed_box: list[bool] = []  # supervise had to SIGKILL the job
     mirrored = not (local_run and not job.checkpoint_dir)  # a local run's own folder needs no copy
     metrics_file = Path(t.run.url) / "metrics.jsonl" if local_run else node_dir / "metrics.jsonl"
     record_start(t, job, cluster="", nodes=1, nproc=n)
@@ -260,8 +266,9 @@ def run_program_here(
             if got is not None:
                 events.emit("restored", f"checkpoint directory restored ({got.files} file(s))", files=got.files)
         forwards = [] if local_run else [Forward(metrics_file, t.run, "metrics.jsonl")]
+        # Only the job's own processes are asked whether they hold a file open for writing.
         mirror = Mirror(ckpt, t.run.child(CKPT_PREFIX), node=0, forwards=forwards, interval_s=MIRROR_INTERVAL_S,
-                        log=lambda m: events.info(f"dtrain: {m}"))  # fmt: skip
+                        pids=lambda: list(job_pids), log=lambda m: events.info(f"dtrain: {m}"))  # fmt: skip
         mirror.start()
     stop_file = node_dir / "STOP"
     stop_file.unlink(missing_ok=True)
@@ -313,19 +320,32 @@ def run_program_here(
     code = int(ExitCode.FAILURE)
     try:
         code = supervise(argv, env=env, cwd=job.workdir, stop_file=stop_file, handle=handle, grace_s=req.grace_s,
-                         what=job.program.describe())  # fmt: skip
+                         what=job.program.describe(), pids=job_pids, killed=killed_box)  # fmt: skip
     finally:
         if mirror is not None:
-            mirror.close()
+            # Killed (KILL, or past the grace period): only settled files, since a save may have been cut
+            # off; otherwise the folder as the program left it.
+            mirror.close(final=not killed_box)
         record_end(t, code)
     return code
 
 
 def supervise(
-    argv: list[str], *, env: Mapping[str, str], cwd: Path, stop_file: Path, handle: Handle, grace_s: float, what: str
+    argv: list[str],
+    *,
+    env: Mapping[str, str],
+    cwd: Path,
+    stop_file: Path,
+    handle: Handle,
+    grace_s: float,
+    what: str,
+    pids: list[int] | None = None,
+    killed: list[bool] | None = None,
 ) -> int:
     """Run argv in a session of its own to its end. A stop request: the stop file appears and the signal goes
-    to the whole session; past `grace_s` (or on KILL) everything left is killed. Returns our exit code."""
+    to the whole session; past `grace_s` (or on KILL) everything left is killed. Returns our exit code.
+    `pids`: kept up to date with the job's process tree (the checkpoint copy asks only those processes);
+    `killed` gets True when the job had to be killed."""
     from dtrain.common.nodeagent import signal_tree, tree
 
     try:
@@ -338,11 +358,14 @@ def supervise(
         raise UserError(f"cannot execute {argv[0]} on this machine: permission denied") from None
     forwarded: list[int] = []
     deadline = float("inf")
-    snapshot = [proc.pid]
+    snapshot = pids if pids is not None else []
+    snapshot[:] = [proc.pid]
     try:
         while proc.poll() is None:
             for stop in handle.take():
                 if stop == Stop.KILL:
+                    if killed is not None:
+                        killed.append(True)
                     signal_tree(proc.pid, signal.SIGKILL)
                     continue
                 signum = signal.SIGINT if stop == Stop.INTERRUPT else signal.SIGTERM
@@ -353,6 +376,8 @@ def supervise(
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signum)
             if time.monotonic() > deadline:
+                if killed is not None:
+                    killed.append(True)
                 signal_tree(proc.pid, signal.SIGKILL)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from dtrain.common.errors import UserError
+from dtrain.control import launchers
 from dtrain.control.cluster import Cluster
 from dtrain.control.events import Events, Handle
 from dtrain.control.runs import BadRunId, NoLogs, NoSuchRun
@@ -50,7 +51,7 @@ class Dashboard:
         with self._lock:
             if self._nodes is not None and time.monotonic() - self._nodes[0] < NODE_STATES_TTL_S:
                 return self._nodes[1]
-            if self.ssh is None and self.cluster.launcher != "local":
+            if self.ssh is None and launchers.over_ssh(self.cluster):
                 from dtrain.control.nodes import ssh_to
 
                 self.ssh = ssh_to(self.cluster, False)

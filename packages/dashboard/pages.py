@@ -45,10 +45,9 @@ def _when(stamp: float | None) -> str:
 
 
 def _best(row: dict[str, Any]) -> str:
-    if row.get("best_value") is None:
-        return "-"
-    short = {"eval_accuracy": "acc", "eval_loss": "eval loss"}.get(row["best_metric"], row["best_metric"])
-    return f"{short} {row['best_value']:.4f}"
+    from dtrain.control.runs import best_label
+
+    return best_label(row)
 
 
 templates.env.filters.update(duration=_duration, when=_when, best=_best)

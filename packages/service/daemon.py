@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import shlex
 import subprocess
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dtrain.control.events import Events, Handle
+from dtrain.control.slurm.commands import expand_hostlist
 from dtrain.service import logic
 from dtrain.service.logic import Action, Job, Note, Seen, State, Vm
 
@@ -136,21 +136,6 @@ class SshShell:
         self.ssh.close()
 
 
-def expand_hostlist(text: str) -> tuple[str, ...]:
-    """Slurm's host list ("h[0-1,3],w-0") as names."""
-    out: list[str] = []
-    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", text):
-        prefix, ranges = m[1], m[2]
-        if not ranges:
-            out.append(prefix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            for i in range(int(lo), int(hi or lo) + 1):
-                out.append(f"{prefix}{str(i).zfill(len(lo))}")
-    return tuple(n for n in out if n)
-
-
 class Service:
     def __init__(self, cfg: ServiceConfig, *, gcp: Any, shell: Shell, events: Events | None = None) -> None:
         self.cfg, self.gcp, self.shell = cfg, gcp, shell
@@ -199,7 +184,7 @@ class Service:
         for line in p.stdout.splitlines():
             parts = line.strip().split("|")
             if len(parts) in (4, 5):
-                nodes = expand_hostlist(parts[3]) if parts[3] and parts[3] != "(null)" else ()
+                nodes = tuple(expand_hostlist(parts[3])) if parts[3] and parts[3] != "(null)" else ()
                 elapsed = parts[4] if len(parts) == 5 else ""
                 stalled = parts[1] == "RUNNING" and self._stalled(parts[0], elapsed, now)
                 jobs.append(Job(parts[0], parts[1], parts[2], nodes, stalled=stalled))

@@ -148,3 +148,38 @@ def test_dtrain_build_makes_its_push_the_clusters_default_image(config_home):
     assert "has GPU nodes: this image is not made its default" in events.events[0].message
     assert remember_image("demo", ref, gpu=True, events=Collector())
     assert (cluster_dir("demo") / "image").read_text().strip() == ref
+
+
+def test_runs_of_a_gcp_cluster_are_listed_from_its_bucket(config_home, tmp_path, monkeypatch, gcs_emulator):
+    """`dtrain runs` with run.cluster naming a gcp cluster reads the cluster's bucket, as `train` writes there
+    (settings.run_output, the one home of that rule); --output still wins, and a cluster not up gives ./runs."""
+    import json as _json
+
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+    from runs import cli, isolated_env
+
+    from dtrain.common.storage import open_store
+    from dtrain.control.settings import run_output
+
+    (tmp_path / "dtrain.toml").write_text(
+        '[run]\ncluster = "demo"\n\n[clusters.demo]\nbackend = "gcp"\nproject = "proj-123456"\n'
+        'ssh_source_ranges = ["203.0.113.7/32"]\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    assert run_output(load_settings(None, {})) == "runs"  # not up: no record
+    write_record(copy.deepcopy(RECORD))
+    key_path("demo").write_text("not really a key")
+    assert run_output(load_settings(None, {})) == "gs://proj-123456-dtrain-demo/runs"
+    assert run_output(load_settings(None, {"run.output": "elsewhere"})) == "elsewhere"
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
+    storage.Client(project="p", credentials=AnonymousCredentials()).create_bucket("proj-123456-dtrain-demo")
+    run = open_store("gs://proj-123456-dtrain-demo/runs/fit-20261125-120000-abcd")
+    run.write_bytes("config.json", _json.dumps({"workload": "fit", "kind": "program", "created": 1.0}).encode())
+    run.write_bytes("status.json", _json.dumps({"state": "completed", "exit_code": 0, "updated": 2.0}).encode())
+    env = isolated_env(tmp_path, XDG_CONFIG_HOME=str(config_home), STORAGE_EMULATOR_HOST=gcs_emulator)
+    r = cli(tmp_path, "runs", "--json", env=env)
+    assert r.code == 0, r.err
+    (row,) = _json.loads(r.out)
+    assert (row["run_id"], row["workload"], row["status"]) == ("fit-20261125-120000-abcd", "fit", "completed")

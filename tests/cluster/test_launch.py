@@ -113,6 +113,7 @@ def latest_checkpoint(url: str) -> int:
     return found.step if found is not None else -1
 
 
+@pytest.mark.slow  # 36 s; the default suite keeps a two-host run in test_ctrl_c_leaves_no_process_on_any_host
 def test_two_hosts_two_processes_train_to_the_bucket(cwd: Path, emulator: str, testbed: Testbed) -> None:
     out = bucket(emulator)
     r = dtrain(cwd, emulator, *MNIST, "--output", out, "--checkpoint-every", "40")

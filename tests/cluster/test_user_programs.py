@@ -8,19 +8,16 @@ Needs root (skips otherwise; CI runs as root)."""
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import re
 import signal
 import subprocess
 import sys
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
-from projects import make_ddp_project
+from projects import make_ddp_project, write_wheel
 from runs import CLI
 
 from dtrain.common.errors import ExitCode
@@ -49,28 +46,6 @@ def cwd(testbed: Testbed, known_hosts: Path, emulator: str, tmp_path_factory: py
     toml = testbed.cluster_toml("bed", sys.executable, env={"STORAGE_EMULATOR_HOST": emulator}, known_hosts=known_hosts)
     (d / "dtrain.toml").write_text(toml)
     return d
-
-
-def write_wheel(folder: Path, name: str, version: str, code: str) -> Path:
-    """A pure-Python wheel made by hand (a zip with its metadata and RECORD): no build backend, no index."""
-    folder.mkdir(parents=True, exist_ok=True)
-    dist = f"{name}-{version}.dist-info"
-    files = {
-        f"{name}/__init__.py": code.encode(),
-        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n".encode(),
-        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: dtrain-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-    record = []
-    for path, data in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        record.append(f"{path},sha256={digest},{len(data)}")
-    record.append(f"{dist}/RECORD,,")
-    files[f"{dist}/RECORD"] = ("\n".join(record) + "\n").encode()
-    out = folder / f"{name}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(out, "w") as z:
-        for path, data in files.items():
-            z.writestr(path, data)
-    return out
 
 
 def dtrain(cwd: Path, emulator: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -196,6 +171,18 @@ def test_failures_on_one_node_are_named(cwd: Path, emulator: str, testbed: Testb
     assert r.returncode == ExitCode.USAGE, r.stdout + r.stderr
     (err,) = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert "node h1" in err and "setup command 1" in err and "exited 7" in err and ".log" in err, err
+
+    big = cwd.parent / "big-project"
+    (big / "data").mkdir(parents=True)
+    (big / "dtrain.toml").write_text((cwd / "dtrain.toml").read_text())
+    (big / "train.py").write_text("print('never')\n")
+    with open(big / "data" / "shard.bin", "wb") as f:
+        f.truncate(300 << 20)  # sparse: 300 MiB to sync, nothing on disk
+    r = dtrain(big, emulator, "train", "train.py", "--cluster", "bed", "--output", out)
+    assert r.returncode == ExitCode.USAGE, r.stdout + r.stderr
+    (err,) = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert "over the 200.0 MiB limit; largest: data/shard.bin 300.0 MiB" in err, err
+    assert "never" not in r.stdout
 
     r = dtrain(cwd, emulator, "train", "--cluster", "bed", "--output", out, "--", "dtrain-no-such-command-xyz")
     assert r.returncode == ExitCode.USAGE, r.stdout + r.stderr

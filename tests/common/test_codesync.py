@@ -242,7 +242,7 @@ def test_size_limit_names_the_biggest_items(tmp_path: Path):
     assert "\n" not in message
     assert str(src) in message and "1.6 MiB" in message and "1.0 MiB limit" in message
     assert "largest: data/ 1.1 MiB, model.bin 488.3 KiB, src/ 600 B" in message
-    assert "add them to .dtrainignore, or raise code_limit" in message
+    assert "add them to .dtrainignore, or raise the limit (--code-limit MB, or code_limit in the job)" in message
     write(src, {".dtrainignore": "data/\n"})
     assert scan(src, limit_bytes=1024 * 1024).total_bytes == 500_000 + 600 + len("data/\n")
 

@@ -364,3 +364,22 @@ def test_gcs_round_trip(tmp_path, gcs_bucket):
     assert restore(store, out, log=lambda _: None) == RestoreResult({0: 1}, files=3, bytes=300_008)
     assert files_under(out) == data
     assert run.read_bytes("metrics.jsonl") == b'{"step": 1}\n{"step": 2}\n'
+
+
+def test_a_killed_job_leaves_the_last_complete_copy_as_the_newest(tmp_path):
+    """close(final=False): the job had to be killed, maybe in the middle of a save. A file that changed since
+    the last scan is not settled, so no manifest takes it: the last complete copy stays the newest."""
+    local, store = tmp_path / "ckpt", ckpt_store(tmp_path)
+    local.mkdir()
+    m = Mirror(local, store, node=0, interval_s=60, log=lambda _m: None)
+    (local / "ckpt.pt").write_bytes(b"v1" * 1000)
+    assert settle(m).manifest == 1
+    (local / "ckpt.pt").write_bytes(b"v2-half")  # the kill came mid-save
+    assert m.close(final=False).manifest is None
+    assert manifests(store) == ["node-00000/00000001.json"]
+    out = tmp_path / "restored"
+    restore(store, out, log=lambda _m: None)
+    assert (out / "ckpt.pt").read_bytes() == b"v1" * 1000
+    # Ended by itself: the folder is as the program meant it, taken at once.
+    m2 = Mirror(local, store, node=0, interval_s=60, log=lambda _m: None)
+    assert m2.close(final=True).manifest == 2

@@ -12,6 +12,7 @@ from dtrain.common.errors import UserError
 from dtrain.control import settings as S
 from dtrain.control.settings import (
     WORKLOADS,
+    Builtin,
     describe,
     env_name,
     get_cluster,
@@ -412,7 +413,7 @@ class ToyConfig:
 def test_a_registered_workload_gets_a_section_variables_and_rows(tmp_path, cwd, monkeypatch):
     (tmp_path / "toy_workload_config.py").write_text(TOY)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(WORKLOADS, "toy", "toy_workload_config:ToyConfig")
+    monkeypatch.setitem(WORKLOADS, "toy", Builtin("toy_workload_config:ToyConfig", "toy_workload.train"))
     write(cwd / "dtrain.toml", "[run]\nseed = 1\n[toy]\nmax_steps = 5\n")
 
     s = load_settings(env={"DTRAIN_TOY_MAX_STEPS": "6"})

@@ -229,8 +229,10 @@ def test_autostop_off_and_durations():
             gcp_spec("demo", {"backend": "gcp", "project": "my-project", "autostop": text}, "t")
         with pytest.raises(ValueError, match="expected a duration"):
             parse_duration(text)
-    assert expand_hostlist("h[0-1,3],w-00") == ("h0", "h1", "h3", "w-00")
-    assert expand_hostlist("n[08-10]") == ("n08", "n09", "n10")
+    # The daemon reads host lists with the one function (dtrain.control.slurm.commands), suffixes and all.
+    assert expand_hostlist("h[0-1,3],w-00") == ["h0", "h1", "h3", "w-00"]
+    assert expand_hostlist("n[08-10]-ib") == ["n08-ib", "n09-ib", "n10-ib"]
+    assert expand_hostlist("n[a-c],h1") == ["na-c", "h1"]  # not a number range: kept, never a crash
 
 
 def test_start_cluster_starts_the_master_first_and_waits_for_capacity(gcp, world, cluster):

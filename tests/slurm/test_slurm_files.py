@@ -265,3 +265,84 @@ def test_the_node_side_needs_only_the_standard_library() -> None:
            "('torch', 'google', 'numpy')))"  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_host_lists_have_one_reading_with_suffixes_and_odd_ranges() -> None:
+    """One expansion of Slurm's host lists for `dtrain jobs`' cost and the cluster service (whose own copy
+    dropped suffixes and crashed on a range that is not numbers)."""
+    from dtrain.control.slurm import jobs
+    from dtrain.service import daemon
+
+    assert jobs.expand_nodelist is commands.expand_hostlist and daemon.expand_hostlist is commands.expand_hostlist
+    e = commands.expand_hostlist
+    assert e("demo-master,demo-worker-[0-2,5]") == ["demo-master", "demo-worker-0", "demo-worker-1",
+                                                    "demo-worker-2", "demo-worker-5"]  # fmt: skip
+    assert e("gpu[08-10]-ib") == ["gpu08-ib", "gpu09-ib", "gpu10-ib"]  # a suffix after the brackets
+    assert e("rack[1-2]-n[01-02]") == ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]
+    assert e("n[a-c],h[1-2]") == ["na-c", "h1", "h2"]  # not numbers: kept as written, no crash
+    assert e("n[3-1],x") == ["n3-1", "x"] and e("h[0-1") == ["h[0-1"] and e("") == [] and e("h0") == ["h0"]
+
+
+def test_slurm_nodes_count_processes_with_the_one_rule() -> None:
+    """The batch step's node tasks apply dtrain.common.nproc's rule, per-core ceiling included."""
+    assert slurmstep.processes({"nproc": 0}, cpus=8, gpus=0) == 2 and slurmstep.processes({}, cpus=8, gpus=4) == 4
+    with pytest.raises(UserError, match=r"^--nproc 3 is more processes than node n1's 2 CPU core\(s\)"):
+        slurmstep.processes({"nproc": 3}, cpus=2, gpus=0, where="node n1")
+    assert slurmstep.processes({"nproc": 3, "oversubscribe": True}, cpus=2, gpus=0) == 3
+    with pytest.raises(UserError, match=r"more than 4 processes per core even with --oversubscribe"):
+        slurmstep.processes({"nproc": 9, "oversubscribe": True}, cpus=2, gpus=0)
+    assert slurmstep.processes({"nproc": 4, "program": {"torchrun": False}}, cpus=2, gpus=0) == 1  # a command
+
+
+@pytest.mark.parametrize("managed", [True, False])
+def test_a_users_program_as_a_slurm_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, managed: bool) -> None:
+    """A user's script: job.json holds the SSH launcher's program spec with the allocation's placeholders; each
+    node fills them in and takes its own part: the rank, the copy of the checkpoint directory (every node's own
+    on node-local disks, the first node's alone on a shared job directory), the forwarded metrics (first node),
+    DTRAIN_RESTART_COUNT (starts before the job + Slurm's requeues)."""
+    from dtrain.common.storage import open_store
+    from dtrain.control import launchers
+    from dtrain.control.program import Job, Program
+    from dtrain.control.userjob import Target, program_config
+
+    c = cluster(tmp_path, managed=managed)
+    c = dataclasses.replace(c, slurm=dataclasses.replace(c.slurm, shared_workdir=not managed))
+    job = Job(name="train", program=Program(kind="script", target="train.py", args=("--lr", "3")),
+              workdir=tmp_path, checkpoint_dir="ckpts")  # fmt: skip
+    t = Target("train-20260101-000000-abcd", open_store(str(tmp_path / "runs" / "train-20260101-000000-abcd")), 1, True)
+    plan = launchers.Plan(job=job, target=t, cluster=c, nproc=1)
+    config = program_config(t, job, cluster="c", nodes=2, nproc=None)
+    f = script.program_files(plan, job_dir="/w/runs/x", name="lr-3", nodes=2, interactive=False, gpus_per_node=0,
+                             config=config)  # fmt: skip
+    assert set(f.job["specs"]) == ({"n0", "n1"} if managed else {"*"})
+    assert f.job["resume"] is True and f.job["program"]["restarts"] == 1 and f.job["program"]["shared"] is not managed
+    assert "--job-name=lr-3" in f.script and "--nodes=2" in f.script
+    values = {"__dtrain_master_addr__": "10.0.0.10", "__dtrain_addr__": "10.0.0.11", "__dtrain_is_host__": "0",
+              "__dtrain_nproc__": "1", "__dtrain_threads__": "8", "__dtrain_node__": "n1", "__dtrain_nnodes__": "2",
+              "__dtrain_node_rank__": "1"}  # fmt: skip
+    key = "n1" if managed else "*"
+    spec = slurmstep.fill(f.job["specs"][key], values, [])
+    assert "__dtrain" not in json.dumps(spec)
+    assert spec["argv"][3:21] == [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.10:29400",
+        "--rdzv-id", t.run_id, "--rdzv-conf", "is_host=0,join_timeout=120", "--local-addr", "10.0.0.11",
+        "--max-restarts", "0", "train.py", "--lr",
+    ]  # fmt: skip
+    assert (spec["env"]["DTRAIN_NODE_RANK"], spec["env"]["DTRAIN_NNODES"]) == ("1", "2")
+    (tmp_path / "node" / "work").mkdir(parents=True)  # the job's directory on the node: no requirements
+    monkeypatch.chdir(tmp_path / "node")
+    monkeypatch.setenv(slurmstep.RESTARTS_ENV, "2")
+    lines: list[str] = []
+    for rank in (1, 0):
+        node = slurmstep.program_spec(f.job, json.loads(json.dumps(spec)), key=key, name="n1", rank=rank,
+                                      resume=True, emit=lines.append)  # fmt: skip
+        assert node["argv"][0] == "/opt/py/bin/python" and node["env"]["DTRAIN_RESTART_COUNT"] == "3"
+        assert node["files"]["checkpoint_dir"] == "work/ckpts"
+        assert bool(node["files"]["forward"]) is (rank == 0)
+        if managed:  # every node its own copy, put back before it starts
+            assert node["files"]["mirror"]["node"] == rank and node["files"]["mirror"]["restore"] is True
+        elif rank == 0:  # one directory for the job: the batch step put it back; the first node copies it
+            assert node["files"]["mirror"]["node"] == 0 and node["files"]["mirror"]["restore"] is False
+        else:
+            assert "mirror" not in node["files"]
+    assert lines == []  # nothing to install

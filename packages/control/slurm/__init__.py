@@ -6,6 +6,8 @@ users already have (backend = "slurm").
                  their output parsed and their states mapped
     script.py    a job's files: the batch script and job.json (dtrain.common.slurmstep runs them)
     jobs.py      submit, list, cancel, logs (and follow), and `dtrain train` through Slurm
+    programs.py  a user's own program as a job (submit, and `dtrain train` through Slurm): its code synced,
+                 its requirements and checkpoint directory handled on the nodes
     setup.py     Slurm and munge configured and started on dtrain's own clusters; doctor's Slurm checks
 
 dtrain writes no scheduler: Slurm queues, allocates, requeues and accounts; dtrain writes the batch

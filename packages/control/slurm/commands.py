@@ -49,6 +49,48 @@ def parse_kv(line: str) -> dict[str, str]:
     return out
 
 
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's compressed host list as names, in order: "demo-master,demo-worker-[0-2,5]", "n[08-10]",
+    "gpu[1-2]-ib" (a suffix after the brackets), "rack[1-2]-n[01-02]" (several bracket groups). The one
+    reading of a host list for every part of dtrain (`dtrain jobs`' cost, the cluster service's view of
+    which nodes run jobs). A bracket part that is not a number or a range of numbers ("n[a-c]": Slurm
+    never writes one) is kept as written, rather than dropped or failing."""
+    names: list[str] = []
+    for expr in _split_top_level(text.strip()):
+        names.extend(_expand_host(expr))
+    return names
+
+
+def _split_top_level(text: str) -> list[str]:
+    """`text` split at the commas that are not inside brackets."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+            continue
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        current += ch
+    parts.append(current)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_host(expr: str) -> list[str]:
+    m = re.match(r"([^\[]*)\[([^\]]*)\](.*)$", expr)
+    if m is None:
+        return [expr]
+    prefix, ranges, rest = m.groups()
+    tails = _expand_host(rest) if rest else [""]
+    heads: list[str] = []
+    for part in (p.strip() for p in ranges.split(",")):
+        lo, dash, hi = part.partition("-")
+        if lo.isdigit() and (not dash or (hi.isdigit() and int(hi) >= int(lo))):
+            heads += [f"{prefix}{str(i).zfill(len(lo))}" for i in range(int(lo), int(hi or lo) + 1)]
+        elif part:
+            heads.append(prefix + part)
+    return [h + t for h in heads for t in tails]
+
+
 @dataclasses.dataclass(frozen=True)
 class JobState:
     """What Slurm says about one job."""
@@ -307,6 +349,7 @@ def not_found(job_id: str, cluster: str) -> UserError:
 
 __all__ = [
     "Slurm",
+    "expand_hostlist",
     "JobState",
     "SlurmNode",
     "parse_kv",

@@ -37,6 +37,7 @@ from dtrain.common.storage import is_remote
 from dtrain.control.cluster import Cluster, Node
 from dtrain.control.events import Events, Handle, Stop
 from dtrain.control.slurm.commands import SINFO_NODES, JobState, Slurm, SlurmNode, not_found, parse_nodes
+from dtrain.control.slurm.commands import expand_hostlist as expand_nodelist  # its home: commands
 from dtrain.control.slurm.script import JobFiles, tar_of
 from dtrain.control.slurm.spec import MANAGED_PARTITION, STALL_AFTER_S
 from dtrain.control.ssh import SSH
@@ -75,6 +76,7 @@ class JobRecord:
     submitted: float  # epoch seconds, this machine's clock
     cluster: str
     eval_id: str = ""  # an evaluation of the run (dtrain eval --queue): it writes <url>/eval/<eval_id>.json
+    kind: str = ""  # "program": a user's own program (dtrain.control.slurm.programs); "": a built-in
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobRecord:
@@ -115,6 +117,7 @@ class JobRow:
             "run_id": self.record.run_id,
             "url": self.record.url,
             "eval_id": self.record.eval_id,
+            "kind": self.record.kind or "builtin",  # "program": a user's own
             "last_metric": self.last_metric,
             "node_hours": round(self.node_hours, 4),
             "usd": None if self.usd is None else round(self.usd, 4),
@@ -312,6 +315,12 @@ def _queue(s: Session, rec: JobRecord, files: JobFiles) -> JobRecord:
     """Ship a job's files to rec.dir where its nodes read them (dtrain's code, job.json, the batch script),
     then sbatch it with its job-table entry; the record with the job id Slurm gave it. Two round trips (the
     files to each node at once; sbatch with the entry)."""
+    _ship(s, rec, files)
+    return _sbatch(s, rec)
+
+
+def _ship(s: Session, rec: JobRecord, files: JobFiles) -> None:
+    """dtrain's code, job.json and the batch script into rec.dir on every host that holds the job's files."""
     from dtrain.control.remote import code_archive
 
     archive, _digest = code_archive()
@@ -325,6 +334,10 @@ def _queue(s: Session, rec: JobRecord, files: JobFiles) -> JobRecord:
     d = shlex.quote(rec.dir)
     unpack = f"mkdir -p {d}/code && cd {d} && umask 077 && tar -xf - && tar -xzf code.tar.gz -C code && rm code.tar.gz"
     s.ssh.each(lambda node: s.ssh.run(node, unpack, input=bundle, timeout=120), s.file_nodes)
+
+
+def _sbatch(s: Session, rec: JobRecord) -> JobRecord:
+    """sbatch rec.dir's batch script and write the job-table entry in one round trip; the record with its id."""
     fields = {k: v for k, v in dataclasses.asdict(rec).items() if k != "job_id"}
     job_id = s.slurm.sbatch(
         f"{rec.dir}/slurm.sh", rec.dir, json.dumps(fields)[:-1].encode() + b', "job_id": "', f"{s.workdir}/{JOBS_DIR}"
@@ -491,23 +504,6 @@ def job_node_prices(prices: Mapping[str, float], nodelist: str, nodes: int) -> l
     return named[:nodes] + [mean] * max(0, nodes - len(named))
 
 
-def expand_nodelist(text: str) -> list[str]:
-    """Slurm's compressed host list ("demo-master,demo-worker-[0-2,5]", "n[01-03]") as names."""
-    names: list[str] = []
-    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?([^,]*)", text.strip()):
-        prefix, ranges, suffix = m.group(1), m.group(2), m.group(3)
-        if ranges is None:
-            names.append(prefix + suffix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if not lo.isdigit() or (hi and not hi.isdigit()):
-                continue
-            for i in range(int(lo), int(hi or lo) + 1):
-                names.append(f"{prefix}{str(i).zfill(len(lo))}{suffix}")
-    return names
-
-
 def _last_metrics(s: Session, records: list[JobRecord]) -> dict[str, dict[str, Any] | None]:
     """Each run's last metrics.jsonl line ({} before its first; None: the run could not be read): gs://
     runs read from here, paths on the login node in one SSH round trip."""
@@ -628,7 +624,10 @@ def _settle_eval(s: Session, rec: JobRecord) -> None:
 
 
 def _checkpoint(s: Session, rec: JobRecord) -> str:
-    """The name of the run's last complete checkpoint (LATEST), read where the run lives."""
+    """The name of the run's last complete checkpoint (LATEST), read where the run lives; for a user's program,
+    the newest copy of its checkpoint directory (ckpt/node-<n>/<seq>.json, dtrain.common.mirror)."""
+    if rec.kind == "program":
+        return _checkpoint_copy(s, rec)
     with contextlib.suppress(Exception):
         if is_remote(rec.url):
             from dtrain.common.storage import open_store
@@ -637,6 +636,27 @@ def _checkpoint(s: Session, rec: JobRecord) -> str:
         out = s.slurm.run(f"cat {shlex.quote(rec.url + '/checkpoints/LATEST')} 2>/dev/null || true")
         return out.strip()
     return ""
+
+
+def _checkpoint_copy(s: Session, rec: JobRecord) -> str:
+    """A program run's newest checkpoint-directory copy (the copy a --resume or requeue restores), "" if none."""
+    from dtrain.control.userjob import CKPT_PREFIX
+
+    names: list[str] = []
+    with contextlib.suppress(Exception):
+        if is_remote(rec.url):
+            from dtrain.common.storage import open_store
+
+            names = open_store(rec.url).child(CKPT_PREFIX).list("node-")
+        else:
+            d = shlex.quote(f"{rec.url}/{CKPT_PREFIX}")
+            out = s.slurm.run(f"cd {d} 2>/dev/null && ls -1 node-*/*.json 2>/dev/null || true")
+            names = out.split()
+    manifests = [n for n in names if re.fullmatch(r"node-\d{5}/\d{8}\.json", n)]
+    if not manifests:
+        return ""
+    newest = max(manifests, key=lambda n: n.rsplit("/", 1)[1])
+    return f"{CKPT_PREFIX}/{newest}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -845,41 +865,50 @@ def run_job(req: LaunchRequest, r: Resolved, *, events: Events, handle: Handle) 
     """`dtrain train --cluster` on a Slurm cluster: the job goes through Slurm's queue (so it never takes
     GPUs a queued job holds), its output comes here live, Ctrl-C stops it, and its exit code is ours. The
     job is cancelled if this process goes away (its SSH connection to the login node closes)."""
-    from dtrain.control.launch import LaunchResult
 
     with Session(r.cluster, accept_new_host_keys=req.accept_new_host_keys) as s:
         t0 = time.monotonic()
         sub, rec = _submit(s, req, r, nodes=0, name=req.workload, interactive=True, events=events)
-        verb = "resuming" if sub.resuming else "starting"
-        events.emit(
-            "launch",
-            f"{verb} {req.workload} run {sub.run_id} on cluster {sub.cluster} through Slurm: job {sub.job_id}, "
-            f"{sub.nodes} node(s) in partition {sub.partition} (submitted in {time.monotonic() - t0:.1f} s)",
-            run_id=sub.run_id,
-            workload=req.workload,
-            nodes=sub.nodes,
-            job_id=sub.job_id,
-        )
-        guard = s.ssh.popen(
-            s.login,
-            f"cat >/dev/null; scancel {sub.job_id}",
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # a terminal's Ctrl-C reaches dtrain, which stops the job; this only guards
-        )
+        return attend(s, sub, rec, t0, what=req.workload, events=events, handle=handle)
+
+
+def attend(
+    s: Session, sub: SubmitResult, rec: JobRecord, t0: float, *, what: str, events: Events, handle: Handle
+) -> LaunchResult:
+    """`dtrain train` through Slurm once the job is queued: its output here live until it ends, Ctrl-C stops
+    it, its exit code is ours; the job is cancelled if this process goes away (its SSH connection closes)."""
+    from dtrain.control.launch import LaunchResult
+
+    verb = "resuming" if sub.resuming else "starting"
+    events.emit(
+        "launch",
+        f"{verb} {what} run {sub.run_id} on cluster {sub.cluster} through Slurm: job {sub.job_id}, "
+        f"{sub.nodes} node(s) in partition {sub.partition} (submitted in {time.monotonic() - t0:.1f} s)",
+        run_id=sub.run_id,
+        workload=sub.workload,
+        nodes=sub.nodes,
+        job_id=sub.job_id,
+    )
+    guard = s.ssh.popen(
+        s.login,
+        f"cat >/dev/null; scancel {sub.job_id}",
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a terminal's Ctrl-C reaches dtrain, which stops the job; this only guards
+    )
+    try:
+        interrupted: list[Stop] = []
+        unsubscribe = handle.subscribe(interrupted.append)
         try:
-            interrupted: list[Stop] = []
-            unsubscribe = handle.subscribe(interrupted.append)
-            try:
-                state = _follow(s, rec, events=events, handle=handle, control=True)
-            finally:
-                unsubscribe()
+            state = _follow(s, rec, events=events, handle=handle, control=True)
         finally:
-            with contextlib.suppress(OSError):
-                guard.stdin.close()  # type: ignore[union-attr]
-            guard.wait(timeout=30)
-    return LaunchResult(req.workload, sub.run_id, sub.url, _exit_code(state, interrupted), sub.cluster)
+            unsubscribe()
+    finally:
+        with contextlib.suppress(OSError):
+            guard.stdin.close()  # type: ignore[union-attr]
+        guard.wait(timeout=30)
+    return LaunchResult(sub.workload, sub.run_id, sub.url, _exit_code(state, interrupted), sub.cluster)
 
 
 def _exit_code(state: JobState | None, stops: list[Stop]) -> int:
@@ -905,6 +934,7 @@ __all__ = [
     "job_logs",
     "follow_logs",
     "run_job",
+    "attend",
     "Session",
     "JobRecord",
     "JobRow",

@@ -9,7 +9,9 @@ node, and on every node of a cluster whose nodes have disks of their own):
     slurm.sh    the batch script: #SBATCH options, then dtrain.common.slurmstep's batch step
 
 torchrun's command line is the SSH launcher's (dtrain.control.remote.job_spec), so a job in Slurm runs
-exactly what `dtrain train --cluster` runs on a cluster without it.
+exactly what `dtrain train --cluster` runs on a cluster without it. A user's own program (program_files)
+has the SSH launcher's program spec (dtrain.control.remote_program.program_spec) the same way, and its
+working directory beside code/ as work/ (synced, not in the tar: dtrain.control.slurm.programs).
 """
 
 from __future__ import annotations
@@ -89,7 +91,9 @@ def job_files(
     """The batch script and job.json of one job. `argv_new` None: the job continues an existing run."""
     assert cluster.slurm is not None
     s = cluster.slurm
-    module = f"dtrain.{workload}.train"
+    from dtrain.control.settings import builtin
+
+    module = builtin(workload).module
     common = {"module": module, "run_id": run_id, "gpus": gpus_per_node, "paths": dict(paths), "debug": debug}
     if s.managed:  # each node as the inventory (or the cluster record) describes it
         specs = {n.name: node_template(cluster, n, **common) for n in cluster.nodes}
@@ -159,6 +163,80 @@ def module_files(
         "keep_log": False,
     }
     return JobFiles(script=batch_script(cluster, job, nodes=1, gpus_per_node=gpus_per_node), job=job)
+
+
+def program_template(plan: Any, node: Node) -> dict[str, Any]:
+    """The node agent's spec for a user's program (dtrain.control.remote_program.program_spec, the SSH
+    launcher's) on any node of an allocation: what only the allocation knows is left as placeholders, as in
+    node_template; the node's rank among them. Paths are relative to the job's directory on the node."""
+    from dtrain.common import jobenv
+    from dtrain.control.remote_program import program_spec
+
+    stand_in = dataclasses.replace(plan.cluster, nodes=(MASTER,))
+    some_node = dataclasses.replace(node, name="__dtrain_node__", address="__dtrain_addr__")
+    # rank 0: the spec the first node runs (it forwards the metrics); the node's step adjusts it for the others.
+    spec = program_spec(
+        plan, plan.target, stand_in, some_node, rank=0,
+        nproc="__dtrain_nproc__", threads="__dtrain_threads__", restore=False,  # type: ignore[arg-type]
+    )  # fmt: skip
+    env = spec["env"]
+    for ours, token in ((jobenv.NODE_RANK, "__dtrain_node_rank__"), (jobenv.NNODES, "__dtrain_nnodes__")):
+        env[ours] = token
+        env.update({plain: token for plain, name in jobenv.COMMAND_ENV.items() if name == ours and plain in env})
+    if plan.job.program.under_torchrun:
+        argv = spec["argv"]
+        _set(argv, "--nnodes", "__dtrain_nnodes__")
+        _set(argv, "--rdzv-conf", _option(argv, "--rdzv-conf").replace("is_host=0", "is_host=__dtrain_is_host__"))
+    return spec
+
+
+def program_files(
+    plan: Any,
+    *,
+    job_dir: str,
+    name: str,
+    nodes: int,
+    interactive: bool,
+    gpus_per_node: int,
+    config: dict[str, Any],
+) -> JobFiles:
+    """The batch script and job.json of a user's program (`plan`: a launchers.Plan with its run). The same
+    batch step as a built-in's; job.json's `program` table says what the batch step and each node's step do
+    for it (dtrain.common.slurmstep.program_started, program_spec): the project's setup commands and each
+    node's base interpreter (requirements are installed on the nodes), the starts before this job, whether
+    the job's directory is one the nodes share, and the run's config.json for its first start."""
+    cluster = plan.cluster
+    assert cluster.slurm is not None
+    s = cluster.slurm
+    members = {n.name: n for n in cluster.nodes} if s.managed else {"*": s.login}
+    specs = {key: program_template(plan, node) for key, node in members.items()}
+    job = {
+        "version": 1,
+        "kind": "program",
+        "workload": plan.job.name,
+        "run_id": plan.target.run_id,
+        "run_url": plan.target.run.url,
+        "name": name,
+        "python": s.login.python,
+        "dir": job_dir,
+        "image": "",
+        "resume": plan.target.resumed,
+        "argv_new": [],
+        "argv_resume": [],
+        "specs": specs,
+        "nproc": plan.nproc,
+        "oversubscribe": plan.oversubscribe,
+        "interactive": interactive,
+        "program": {
+            "torchrun": plan.job.program.under_torchrun,
+            "setup": list(plan.job.setup),
+            "python": {key: node.python for key, node in members.items()},
+            "restarts": plan.target.restarts,
+            "shared": s.shared_workdir,
+            "config": config,
+        },
+    }
+    return JobFiles(script=batch_script(cluster, job, nodes=nodes, gpus_per_node=gpus_per_node), job=job)
 
 
 def batch_script(cluster: Cluster, job: dict[str, Any], *, nodes: int, gpus_per_node: int) -> str:

@@ -1,0 +1,82 @@
+"""How a job starts on a cluster's nodes: one module per way, behind one interface.
+
+A launcher takes a `Plan` (what runs, where the run lives, which nodes) and carries it through the same
+five steps every way of starting a job has:
+
+    prepare   reach every node and check it (interpreter, torch, cores/GPUs, the rendezvous port)
+    sync      the code (the user's working directory, dtrain's node-side code) and its requirements
+    execute   the program on every node (torchrun for a script or module, once per node for a command)
+    stop      a stop asked through the Handle: SIGTERM and the stop file, a grace period, then SIGKILL
+    collect   each node's exit code and last lines, the last copy of the checkpoint directory, the run's status
+
+    here    this machine (no SSH)                      dtrain.control.launchers.here
+    ssh     every node of a hosts or gcp cluster        dtrain.control.launchers.ssh
+    slurm   an allocation of a Slurm cluster           dtrain.control.launchers.slurm
+
+`Cluster.launcher` names one (backends choose it); nothing else compares that name. A new way of starting
+jobs (Kubernetes, say) is one new module here with `LAUNCHER`, and one line in REGISTRY.
+
+The built-in examples (dtrain mnist, lora) are Plans like any user's program: a module run under torchrun
+(their `Builtin.module`), with their own flags; nothing here names them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import TYPE_CHECKING, Any, Protocol
+
+from dtrain.common.errors import UserError
+
+if TYPE_CHECKING:
+    from dtrain.control.cluster import Cluster
+    from dtrain.control.events import Events, Handle
+    from dtrain.control.launch import LaunchResult
+    from dtrain.control.program import Job
+    from dtrain.control.userjob import Target
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """One job, resolved: what runs, where its run lives, on which nodes, with which launch options."""
+
+    job: Job
+    target: Target | None  # the run (a built-in places its own: None)
+    cluster: Cluster
+    nproc: int = 0  # processes per node for torchrun (0: one per GPU, or 2 on CPU)
+    max_restarts: int = 0
+    image: str = ""  # container mode: run in this image on every node
+    accept_new_host_keys: bool = False
+    oversubscribe: bool = False
+    tty: bool = False  # the caller's output is a terminal (a built-in draws a live bar)
+    debug: bool = False
+    grace_s: float = 45.0
+    # A built-in's own resolution (its LaunchRequest and launch.Resolved): its flags, output and resumed run.
+    builtin: Any = None
+
+
+class Launcher(Protocol):
+    name: str  # the Cluster.launcher value it serves
+    over_ssh: bool  # its nodes are reached over SSH (doctor, gpus, exec and the dashboard's node view ask)
+
+    def launch(self, plan: Plan, *, events: Events, handle: Handle) -> LaunchResult:
+        """prepare, sync, execute (stop through `handle`), collect; the run and the job's exit code (ExitCode)."""
+        ...
+
+
+REGISTRY = {
+    "local": "dtrain.control.launchers.here",
+    "ssh": "dtrain.control.launchers.ssh",
+    "slurm": "dtrain.control.launchers.slurm",
+}
+
+
+def get(name: str) -> Launcher:
+    if name not in REGISTRY:
+        raise UserError(f"unknown launcher {name!r} (known: {', '.join(REGISTRY)})")
+    return importlib.import_module(REGISTRY[name]).LAUNCHER
+
+
+def over_ssh(cluster: Cluster) -> bool:
+    """Whether `cluster`'s nodes are reached over SSH (not this machine's own processes)."""
+    return get(cluster.launcher).over_ssh

@@ -1,0 +1,107 @@
+"""A user's own program as a Slurm job: `dtrain submit train.py ...` (queued: the job id back at once) and
+`dtrain train train.py --cluster <a Slurm cluster>` (through an allocation, followed live). The same batch
+step as a built-in's (dtrain.common.slurmstep), the same node agent, the same contract as over SSH.
+
+    req = ProgramRequest(job=job, flags={"run.cluster": "demo"})
+    result = submit_program(req, name="lr-3e-3", events=..., handle=...)   # SubmitResult: the job id
+    result = run_program(plan, events=..., handle=...)                     # launchers.slurm, for `dtrain train`
+
+How the pieces reach the nodes:
+
+- The working directory goes with dtrain.common.codesync, not in the job's tar like dtrain's own code: to
+  `<workdir>/code/<project>` on every host that holds the job's files (the login node, whose workdir the
+  compute nodes share, on a user's cluster; every node on dtrain's own, whose disks are their own), then a
+  hard-linked snapshot `<job dir>/work` that a later sync never changes under a queued or running job. A
+  resubmission with unchanged code sends nothing, a changed file only that file: a project is megabytes and
+  a queue holds many jobs of one project, where a tar per job would copy all of it every time.
+- Requirements are installed on the nodes when the job starts (dtrain.common.deps, once per node per content
+  hash, in `<workdir>/envs`: one shared folder where the workdir is shared, under deps' lock): the login node
+  may not be the machine, nor have the Python, the job runs on.
+- The checkpoint directory (`--checkpoint-dir`, else dtrain's own `checkpoints/`) is in the job's directory:
+  node-local on dtrain's own clusters, where every node copies its own to `<run>/ckpt` and puts the newest
+  complete copy back before a requeued or resumed job starts (dtrain.common.nodeagent.JobFiles); one folder
+  for the whole job on a shared workdir, copied by the first node and put back once by the batch step.
+- The run (config.json, status.json with its starts) is recorded by the batch step when the job starts, so a
+  job that never ran leaves no run; DTRAIN_RESTART_COUNT is the starts before this job plus Slurm's requeues.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from dtrain.common.errors import UserError
+from dtrain.common.storage import is_remote
+from dtrain.control.events import Events, Handle
+from dtrain.control.slurm.jobs import JobRecord, Session, SubmitResult, _gpus, _sbatch, _ship, _survey, attend
+
+
+def submit_program(req: Any, *, name: str = "", events: Events, handle: Handle) -> SubmitResult:
+    """Queue the program of `req` (a userjob.ProgramRequest) as a Slurm job on its cluster; returns at once."""
+    from dtrain.control import backends
+    from dtrain.control.program import check_program
+    from dtrain.control.settings import get_cluster, load_settings
+    from dtrain.control.userjob import program_plan
+
+    check_program(req.job)  # a script that is not there: one line, before anything is reached
+    cfg = get_cluster(load_settings(req.config_path, req.flags))
+    start = getattr(backends.get(cfg.backend), "ensure_running", None)
+    if start is not None:  # a provisioning backend's cluster may be stopped (autostop): start it first
+        start(cfg, events=events, handle=handle)
+    plan = program_plan(req)
+    with Session(plan.cluster, accept_new_host_keys=plan.accept_new_host_keys) as s:
+        return _submit(s, plan, name=name, interactive=False, events=events)[0]
+
+
+def run_program(plan: Any, *, events: Events, handle: Handle) -> Any:
+    """`dtrain train <program> --cluster <a Slurm cluster>`: queued, then followed here until it ends (Ctrl-C
+    stops it); a LaunchResult with the job's exit code."""
+    with Session(plan.cluster, accept_new_host_keys=plan.accept_new_host_keys) as s:
+        t0 = time.monotonic()
+        sub, rec = _submit(s, plan, name=plan.job.name, interactive=True, events=events)
+        return attend(s, sub, rec, t0, what=plan.job.name, events=events, handle=handle)
+
+
+def _submit(s: Session, plan: Any, *, name: str, interactive: bool, events: Events) -> tuple[SubmitResult, JobRecord]:
+    """Check the job against Slurm's partition, ship dtrain's node code and the job's files, sync the working
+    directory, sbatch: four SSH round trips (the survey; the files; the sync, to each host at once; sbatch)."""
+    from dtrain.common.nproc import processes
+    from dtrain.control.remote_program import sync_excludes, sync_workdir
+    from dtrain.control.slurm.script import program_files
+    from dtrain.control.userjob import program_config
+
+    job, t, cluster, spec = plan.job, plan.target, s.cluster, s.spec
+    assert job.workdir is not None and t is not None
+    if plan.image or cluster.image:
+        raise UserError(
+            "your own program in container mode is not supported on Slurm yet: run it in synced mode (no --image, "
+            f"and no image = ... in [clusters.{cluster.name}]), where the nodes' Python runs it"
+        )
+    nodes = job.nodes or spec.nodes or (len(cluster.nodes) if spec.managed else 1)
+    partition, members = _survey(s, nodes, events)
+    gpus = _gpus(s, members)
+    if plan.nproc and job.program.under_torchrun:  # checked against the partition's smallest node
+        cpus = min(n.cpus for n in members)
+        processes(plan.nproc, gpus=gpus, cpus=cpus, oversubscribe=plan.oversubscribe, where=f"partition {partition}")
+    if nodes > 1 and not is_remote(t.run.url) and not cluster.shared_fs:
+        raise UserError(
+            f"a job on {nodes} nodes needs --output that every node reaches: a gs://bucket/prefix (or set "
+            f"shared_fs = true in [clusters.{cluster.name}] if {t.run.url} is on a shared filesystem)"
+        )
+    name = name or job.name
+    job_dir = f"{s.workdir}/runs/{t.run_id}"
+    config = program_config(t, job, cluster=cluster.name, nodes=nodes, nproc=None)
+    files = program_files(
+        plan, job_dir=job_dir, name=name, nodes=nodes, interactive=interactive, gpus_per_node=gpus, config=config
+    )
+    rec = JobRecord("", name, job.name, t.run_id, t.run.url, job_dir, nodes, time.time(), cluster.name, kind="program")
+    _ship(s, rec, files)
+    sync_workdir(
+        s.ssh, t, job.workdir, sync_excludes(job, t.run.url), events, nodes=s.file_nodes, limit_mb=job.code_limit_mb
+    )
+    rec = _sbatch(s, rec)
+    result = SubmitResult(rec.job_id, name, job.name, t.run_id, t.run.url, cluster.name, nodes, partition, t.resumed)
+    return result, rec
+
+
+__all__ = ["submit_program", "run_program"]
