@@ -42,7 +42,56 @@ SIGNALS = {"INT": signal.SIGINT, "TERM": signal.SIGTERM, "KILL": signal.SIGKILL}
 DEFAULT_GRACE_S = 45.0
 
 
-def info(workdir: str, address: str = "") -> dict[str, Any]:
+# What `info --cached` keeps between launches: importing torch to learn its version takes a second or more,
+# and a warm launch should not pay it on every node every time.
+TORCH_FIELDS = ("torch", "cuda", "gpus", "nccl")
+
+
+def info_cached(workdir: str, address: str = "") -> dict[str, Any]:
+    """info(), with the torch part (version, CUDA, GPUs, NCCL) reused from the last call while torch's files,
+    this interpreter, CUDA_VISIBLE_DEVICES and the GPUs nvidia-smi lists are unchanged."""
+    import hashlib
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return info(workdir, address)
+    smi = shutil.which("nvidia-smi")
+    listed = ""
+    if smi:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
+    st = os.stat(spec.origin)
+    key = hashlib.sha256(
+        json.dumps(
+            [
+                sys.executable,
+                sys.prefix,
+                spec.origin,
+                st.st_mtime_ns,
+                st.st_size,
+                os.environ.get("CUDA_VISIBLE_DEVICES"),
+                listed,
+            ]
+        ).encode()  # fmt: skip
+    ).hexdigest()[:16]
+    cache = Path(os.path.expanduser(workdir or ".")) / ".cache" / f"info-{key}.json"
+    with contextlib.suppress(OSError, ValueError):
+        torch_part = json.loads(cache.read_text())
+        out = info(workdir, address, with_torch=False)
+        out.update({k: torch_part[k] for k in TORCH_FIELDS if k in torch_part})
+        return out
+    out = info(workdir, address)
+    if out.get("torch"):
+        with contextlib.suppress(OSError):
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({k: out.get(k) for k in TORCH_FIELDS}))
+            os.replace(tmp, cache)
+    return out
+
+
+def info(workdir: str, address: str = "", *, with_torch: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {
         "hostname": socket.gethostname(),
         "hostname_resolves_to": _resolve(socket.gethostname()),
@@ -56,6 +105,8 @@ def info(workdir: str, address: str = "") -> dict[str, Any]:
     out["disk_free_bytes"], out["disk_total_bytes"], out["workdir"] = usage.free, usage.total, str(wd.resolve())
     if address:
         out["address"], out["ifname"] = address, interface_of(address)
+    if not with_torch:
+        return out
     try:
         import torch
     except ImportError as e:
@@ -452,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     pi = sub.add_parser("info")
     pi.add_argument("--workdir", default=".")
     pi.add_argument("--addr", default="", help="the node's cluster address: report the interface that holds it")
+    pi.add_argument("--cached", action="store_true", help="reuse torch's part from the last call (a launch's check)")
     pl = sub.add_parser("listen")
     pl.add_argument("--addr", default="0.0.0.0")
     pl.add_argument("--port", type=int, action="append", required=True)
@@ -462,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("run")
     a = p.parse_args(argv)
     if a.cmd == "info":
-        print(json.dumps(info(a.workdir, a.addr)), flush=True)
+        print(json.dumps((info_cached if a.cached else info)(a.workdir, a.addr)), flush=True)
         return 0
     if a.cmd == "listen":
         return listen(a.addr, a.port, a.seconds)

@@ -27,6 +27,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import gzip
 import hashlib
 import importlib.util
 import io
@@ -101,7 +102,11 @@ def code_archive() -> tuple[bytes, str]:
     """dtrain's workload-side packages (dtrain/common, dtrain/mnist, ...) as a gzip'd tar, and its
     digest. The CLI stays behind: nodes run only the workloads and the agent."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+    # gzip's header holds a time: 0, so the same code gives the same digest (and archive) on every launch.
+    with (
+        gzip.GzipFile(fileobj=buf, mode="wb", compresslevel=6, mtime=0) as gz,
+        tarfile.open(fileobj=gz, mode="w") as tar,
+    ):
         for name in workload_packages():
             spec = importlib.util.find_spec(f"dtrain.{name}")
             assert spec is not None and spec.submodule_search_locations, name
@@ -160,7 +165,7 @@ def node_info(ssh: SSH, node: Node, run_id: str) -> NodeInfo:
     """What `nodeagent info` reports for `node` (its code synced for `run_id`); disk is its workdir's."""
     p = ssh.run(
         node,
-        agent_command(node, run_id, "info", "--workdir", "../..", "--addr", node.address),
+        agent_command(node, run_id, "info", "--workdir", "../..", "--addr", node.address, "--cached"),
         timeout=120,
         check=False,
     )

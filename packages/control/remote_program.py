@@ -17,6 +17,7 @@ user's code and requirements.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -183,8 +184,14 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
             ssh.connect_all()
             t0 = time.monotonic()
             sync_code(ssh, t.run_id, archive)
-            sync_workdir(ssh, t, job.workdir, exclude, events, limit_mb=job.code_limit_mb)
-            pythons = ensure_deps(ssh, t, job.setup, events)
+            # The rendezvous port is checked while the code and requirements go out (they do not touch it).
+            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+                port_checked = pool.submit(
+                    check_port, ssh, t.run_id, cluster.master, cluster.rdzv_port, cluster.nodes[1:], "rendezvous"
+                )
+                sync_workdir(ssh, t, job.workdir, exclude, events, limit_mb=job.code_limit_mb)
+                pythons = ensure_deps(ssh, t, job.setup, events)
+                port_checked.result()
             nodes = tuple(dataclasses.replace(n, python=pythons[n.name]) for n in cluster.nodes)
             cluster = dataclasses.replace(cluster, nodes=nodes)
             ssh.cluster = cluster
@@ -206,7 +213,8 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
                 hosts=tuple(x.name for x in cluster.nodes),
             )
             while True:
-                check_port(ssh, t.run_id, cluster.master, cluster.rdzv_port, cluster.nodes[1:], "rendezvous")
+                if attempt:  # the first attempt's was checked above
+                    check_port(ssh, t.run_id, cluster.master, cluster.rdzv_port, cluster.nodes[1:], "rendezvous")
                 restore = t.resumed or attempt > 0
                 target = dataclasses.replace(t, restarts=t.restarts + attempt)
                 specs = {
