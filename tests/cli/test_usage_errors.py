@@ -43,3 +43,14 @@ def test_an_unknown_name_for_train_is_not_a_job_nor_a_builtin(tmp_path):
         "error: no job 'gpt': not a [jobs.gpt] table in dtrain.toml (none here) nor a built-in (known: lora, mnist); "
         "a script must end in .py, and a command goes after --: dtrain train -- gpt ..."
     )
+
+
+def test_train_help_names_every_program_option(tmp_path):
+    """The help of `dtrain train` lists each option of a user's program (dtrain.control.program.OPTIONS)."""
+    from dtrain.control.program import OPTIONS
+
+    r = cli(tmp_path, "train", "--help")
+    assert r.code == 0, r.err
+    text = "".join(r.out.split())  # click wraps long words at their hyphens
+    missing = [o.name for o in OPTIONS if o.name not in text]
+    assert missing == []
