@@ -163,11 +163,6 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
     req, job, t, cluster = plan, plan.job, plan.target, plan.cluster
     nproc, max_restarts = plan.nproc, plan.max_restarts
     assert job.workdir is not None
-    if req.image or cluster.image:
-        raise UserError(
-            "your own program in container mode is not supported yet: run it in synced mode (no --image, and no "
-            f"image = ... in [clusters.{cluster.name}]), where the nodes' Python runs it"
-        )
     if len(cluster.nodes) > 1 and not is_remote(t.run.url) and not cluster.shared_fs:
         raise UserError(
             f"a run on {len(cluster.nodes)} nodes needs --output that every node reaches: a gs://bucket/prefix "

@@ -195,6 +195,13 @@ def program_plan(req: ProgramRequest) -> Any:
     settings = load_settings(req.config_path, req.flags)
     cfg = get_cluster(settings)
     cluster = backends.get(cfg.backend).cluster(cfg)
+    if launchers.over_ssh(cluster) and (req.image or cluster.image or cluster.needs_image):
+        # Refused before any node is reached (a Slurm cluster's login node included).
+        why = "--image" if req.image else f"cluster {cluster.name!r} runs jobs in a container image"
+        raise UserError(
+            f"{why}: your own program in container mode is not supported yet; run it on a hosts or Slurm "
+            "cluster whose nodes have Python and torch (synced mode: no --image, no image = ... for the cluster)"
+        )
     output = run_output(settings, cluster)
     # A Slurm cluster's nodes are Slurm's to pick from its partition (which is checked there).
     if job.nodes and cluster.slurm is None:

@@ -183,3 +183,27 @@ def test_runs_of_a_gcp_cluster_are_listed_from_its_bucket(config_home, tmp_path,
     assert r.code == 0, r.err
     (row,) = _json.loads(r.out)
     assert (row["run_id"], row["workload"], row["status"]) == ("fit-20261125-120000-abcd", "fit", "completed")
+
+
+def test_a_users_program_on_a_cluster_that_runs_jobs_in_an_image_is_one_line(config_home, tmp_path, monkeypatch):
+    """The clusters `dtrain up` makes run jobs in an image; a user's program there is refused before any node
+    (or Slurm's login node) is reached, and no run is made."""
+    from runs import cli, isolated_env
+
+    (tmp_path / "dtrain.toml").write_text(
+        '[clusters.demo]\nbackend = "gcp"\nproject = "proj-123456"\nssh_source_ranges = ["203.0.113.7/32"]\n'
+    )
+    (tmp_path / "train.py").write_text("print('never')\n")
+    monkeypatch.chdir(tmp_path)
+    write_record(copy.deepcopy(RECORD))
+    key_path("demo").write_text("not really a key")
+    env = isolated_env(tmp_path, XDG_CONFIG_HOME=str(config_home))
+    for verb in ("train", "submit"):
+        r = cli(tmp_path, verb, "train.py", "--cluster", "demo", env=env)
+        assert r.code == 2, r.err
+        assert r.error_line() == (
+            "error: cluster 'demo' runs jobs in a container image: your own program in container mode is not "
+            "supported yet; run it on a hosts or Slurm cluster whose nodes have Python and torch (synced mode: no "
+            "--image, no image = ... for the cluster)"
+        )
+    assert not (tmp_path / "runs").exists()

@@ -39,16 +39,16 @@ from dtrain.control.slurm.jobs import JobRecord, Session, SubmitResult, _gpus, _
 def submit_program(req: Any, *, name: str = "", events: Events, handle: Handle) -> SubmitResult:
     """Queue the program of `req` (a userjob.ProgramRequest) as a Slurm job on its cluster; returns at once."""
     from dtrain.control import backends
-    from dtrain.control.program import check_program
     from dtrain.control.settings import get_cluster, load_settings
     from dtrain.control.userjob import program_plan
 
-    check_program(req.job)  # a script that is not there: one line, before anything is reached
+    # Refusals first (a script that is not there, container mode), before anything is reached or started.
+    plan = program_plan(req)
     cfg = get_cluster(load_settings(req.config_path, req.flags))
     start = getattr(backends.get(cfg.backend), "ensure_running", None)
-    if start is not None:  # a provisioning backend's cluster may be stopped (autostop): start it first
-        start(cfg, events=events, handle=handle)
-    plan = program_plan(req)
+    # A provisioning backend's cluster may be stopped (autostop): start it first; its addresses may change.
+    if start is not None and start(cfg, events=events, handle=handle):
+        plan = program_plan(req)
     with Session(plan.cluster, accept_new_host_keys=plan.accept_new_host_keys) as s:
         return _submit(s, plan, name=name, interactive=False, events=events)[0]
 
@@ -72,11 +72,6 @@ def _submit(s: Session, plan: Any, *, name: str, interactive: bool, events: Even
 
     job, t, cluster, spec = plan.job, plan.target, s.cluster, s.spec
     assert job.workdir is not None and t is not None
-    if plan.image or cluster.image:
-        raise UserError(
-            "your own program in container mode is not supported on Slurm yet: run it in synced mode (no --image, "
-            f"and no image = ... in [clusters.{cluster.name}]), where the nodes' Python runs it"
-        )
     nodes = job.nodes or spec.nodes or (len(cluster.nodes) if spec.managed else 1)
     partition, members = _survey(s, nodes, events)
     gpus = _gpus(s, members)
