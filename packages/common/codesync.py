@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import hashlib
 import io
 import json
@@ -45,11 +44,12 @@ import sys
 import tarfile
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.fileops import locked, sha256_file
 
 DEFAULT_LIMIT_BYTES = 200 * 1024 * 1024
 # Excluded even without a .gitignore; a .gitignore or .dtrainignore can `!` them back.
@@ -258,14 +258,6 @@ def _read_rules(directory: str, base: str, name: str) -> list[_Rule]:
 # Launcher side: scan, pack, send.
 
 
-def _hash_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _digest(files: dict[str, FileEntry], links: dict[str, str]) -> str:
     h = hashlib.sha256()
     for path in sorted(files):
@@ -422,7 +414,7 @@ def scan(
             sha = cached[3]
         else:
             try:
-                sha = _hash_file(os.path.join(root_s, rel))
+                sha = sha256_file(os.path.join(root_s, rel))
             except OSError as e:
                 skipped.append((rel, f"unreadable: {e.strerror}"))
                 continue
@@ -583,16 +575,6 @@ def _parent_dirs(manifest: Manifest) -> set[str]:
         parts = path.split("/")
         dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
     return dirs
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
@@ -770,7 +752,7 @@ def _receive(dest: Path, rfile: IO[bytes], wfile: IO[bytes], snapshot: Path | No
     if snapshot is not None and (_inside(str(snapshot), str(dest)) or _inside(str(dest), str(snapshot))):
         raise UserError(f"snapshot {snapshot} and code directory {dest} must not contain one another")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(dest.parent / f"{dest.name}.lock"):
+    with locked(dest.parent / f"{dest.name}.lock"):
         old, written = _load_state(dest)
         need = _needed(dest, manifest, old, written)
         _write_line(wfile, {"need": need})

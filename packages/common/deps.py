@@ -20,9 +20,7 @@ prints the EnvResult as one JSON line (exit 0), or the one-line error on stderr 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import fcntl
 import functools
 import hashlib
 import json
@@ -32,12 +30,13 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.fileops import locked
 
 REQUIREMENTS_TXT = "requirements.txt"
 PYPROJECT = "pyproject.toml"
@@ -250,7 +249,7 @@ def ensure_env(
     env_dir = envs_root / key
     log_file = envs_root / f"{key}.log"
     result = EnvResult(python=str(env_dir / "bin" / "python"), key=key, created=False, log_file=str(log_file))
-    with _flock(envs_root / f"{key}.lock"):
+    with locked(envs_root / f"{key}.lock"):
         if (env_dir / READY).exists():
             log(f"using environment {key} ({reqs.source or 'setup commands'})")
         else:
@@ -268,16 +267,6 @@ def ensure_env(
             result.created = True
     result.seconds = round(time.monotonic() - t0, 3)
     return result
-
-
-@contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _build(

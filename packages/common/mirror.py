@@ -54,6 +54,7 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dtrain.common.fileops import sha256_file
 from dtrain.common.storage import Store
 
 BLOBS = "blobs"
@@ -61,7 +62,6 @@ PENDING = "pending.json"
 _MANIFEST_RE = re.compile(r"node-(\d{5})/(\d{8})\.json")
 _PENDING_RE = re.compile(r"node-(\d{5})/pending\.json")
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
-_READ_CHUNK = 1 << 20
 
 Log = Callable[[str], None]
 # What "unchanged since the previous scan" compares: size, mtime, and the inode (a file replaced by a
@@ -230,7 +230,7 @@ class Mirror:
             return cached[1]
         path = self.local_dir / rel
         try:
-            sha = _sha256_file(path)
+            sha = sha256_file(path)
             after = _key(os.stat(path))
         except FileNotFoundError:
             return None
@@ -458,7 +458,7 @@ def _fetch(store: Store, local_dir: Path, wanted: dict[str, dict[str, Any]]) -> 
 
 def _has(path: Path, e: dict[str, Any]) -> bool:
     try:
-        return path.stat().st_size == e["size"] and _sha256_file(path) == e["sha256"]
+        return path.stat().st_size == e["size"] and sha256_file(path) == e["sha256"]
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return False
 
@@ -536,14 +536,6 @@ def _blob_size(store: Store, sha: str) -> int | None:
 
 def _key(st: os.stat_result) -> _Key:
     return (st.st_size, st.st_mtime_ns, st.st_ino)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_READ_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _scan(local_dir: Path) -> dict[str, os.stat_result]:

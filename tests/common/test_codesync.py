@@ -272,8 +272,8 @@ def test_hash_cache_skips_unchanged_files(tmp_path: Path, monkeypatch: pytest.Mo
     write(src, {f"m{i}.py": f"x = {i}\n" for i in range(5)})
     age(src)
     hashed: list[str] = []
-    real_hash = codesync._hash_file
-    monkeypatch.setattr(codesync, "_hash_file", lambda path: hashed.append(os.path.basename(path)) or real_hash(path))
+    real_hash = codesync.sha256_file
+    monkeypatch.setattr(codesync, "sha256_file", lambda path: hashed.append(os.path.basename(path)) or real_hash(path))
 
     first = scan(src)
     assert len(hashed) == 5
