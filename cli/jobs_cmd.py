@@ -104,24 +104,14 @@ _register_submit()
 def submit_program(ctx: typer.Context) -> None:
     """Queue a script, module, job table or command (see `dtrain submit --help`)."""
     from dtrain.control.events import Events
-    from dtrain.control.jobs_file import resolve_job
+    from dtrain.control.jobs_file import program_request
     from dtrain.control.slurm.programs import submit_program as control_submit
-    from dtrain.control.userjob import ProgramRequest
 
     argv = ctx.meta.get(PROGRAM_ARGV, list(ctx.args))
     if argv and argv[0] in ("-h", "--help"):
         console.out.print(submit_app.info.help, highlight=False)
         return
-    job, flags, launch = resolve_job(argv, console.state.config_path, submit=True)
-    request = ProgramRequest(
-        job=job,
-        flags=flags,
-        config_path=console.state.config_path,
-        image=launch.get("image") or "",
-        accept_new_host_keys=bool(launch.get("accept_new_host_keys")),
-        oversubscribe=bool(launch.get("oversubscribe")),
-        debug=console.state.debug,
-    )
+    request, launch = program_request(argv, console.state.config_path, submit=True, debug=console.state.debug)
     events = Events(lambda ev: console.err.print(ev.message, markup=False, highlight=False) if ev.message else None)
     with console.operation() as (_terminal, handle):
         r = control_submit(request, name=launch.get("name") or "", events=events, handle=handle)

@@ -166,23 +166,15 @@ def program(ctx: typer.Context) -> None:
 
 def run_program(argv: list[str]) -> int:
     """`dtrain train` of a user's program: parse its line, resolve a job table, run it, report."""
-    from dtrain.control.jobs_file import resolve_job
+    from dtrain.control.jobs_file import program_request
     from dtrain.control.launch import next_step
-    from dtrain.control.userjob import ProgramRequest, launch_program
+    from dtrain.control.userjob import launch_program
 
     if argv and argv[0] in ("-h", "--help"):
         console.out.print(app.info.help, highlight=False)
         return 0
-    job, flags, launch_opts = resolve_job(argv, console.state.config_path)
-    request = ProgramRequest(
-        job=job,
-        flags=flags,
-        config_path=console.state.config_path,
-        image=launch_opts.get("image") or "",
-        accept_new_host_keys=bool(launch_opts.get("accept_new_host_keys")),
-        oversubscribe=bool(launch_opts.get("oversubscribe")),
-        tty=sys.stdout.isatty(),
-        debug=console.state.debug,
+    request, _launch = program_request(
+        argv, console.state.config_path, tty=sys.stdout.isatty(), debug=console.state.debug
     )
     with console.operation() as (events, handle):
         result = launch_program(request, events=events, handle=handle)

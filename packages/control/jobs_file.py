@@ -23,6 +23,27 @@ SETTING_OPTIONS = {
 LAUNCH_OPTIONS = ("image", "accept_new_host_keys", "oversubscribe")
 
 
+def program_request(
+    argv: Sequence[str], config_path: Path | None, *, submit: bool = False, tty: bool = False, debug: bool = False
+) -> tuple[Any, dict[str, Any]]:
+    """(a userjob.ProgramRequest, the launch-only options) for `dtrain train ARGV` or `dtrain submit ARGV`:
+    resolve_job's job and flags, with its launch options put where the request takes them."""
+    from dtrain.control.userjob import ProgramRequest
+
+    job, flags, launch = resolve_job(argv, config_path, submit=submit)
+    request = ProgramRequest(
+        job=job,
+        flags=flags,
+        config_path=config_path,
+        image=launch.get("image") or "",
+        accept_new_host_keys=bool(launch.get("accept_new_host_keys")),
+        oversubscribe=bool(launch.get("oversubscribe")),
+        tty=tty,
+        debug=debug,
+    )
+    return request, launch
+
+
 def resolve_job(
     argv: Sequence[str], config_path: Path | None, *, submit: bool = False
 ) -> tuple[Job, dict[str, Any], dict[str, Any]]:
