@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -84,8 +85,8 @@ def start(cwd: Path, emulator: str, *args: str) -> subprocess.Popen:
     )
 
 
-def job_processes(bed: Testbed, workers_only: bool = False) -> dict[str, list[str]]:
-    """Each host's processes of a dtrain job (agent, torchrun, workers), as command lines."""
+def host_processes(bed: Testbed, keep: Callable[[str], bool]) -> dict[str, list[str]]:
+    """Each host's processes whose command line `keep` accepts, as "pid command line"."""
     out: dict[str, list[str]] = {}
     for h in bed.hosts:
         found = []
@@ -94,13 +95,21 @@ def job_processes(bed: Testbed, workers_only: bool = False) -> dict[str, list[st
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if "dtrain." not in cmd:
-                continue
-            if workers_only and ("dtrain.common." in cmd or ".train" not in cmd):
-                continue
-            found.append(f"{pid} {cmd}")
+            if keep(cmd):
+                found.append(f"{pid} {cmd}")
         out[h.name] = found
     return out
+
+
+def job_processes(bed: Testbed, workers_only: bool = False) -> dict[str, list[str]]:
+    """Each host's processes of a dtrain job (agent, torchrun, workers), as command lines."""
+
+    def keep(cmd: str) -> bool:
+        if "dtrain." not in cmd:
+            return False
+        return not (workers_only and ("dtrain.common." in cmd or ".train" not in cmd))
+
+    return host_processes(bed, keep)
 
 
 def run_of(out: str) -> str:

@@ -26,7 +26,7 @@ from trainer_project import complete_checkpoints, digest, losses, make_trainer_p
 from dtrain.common.storage import open_store
 
 from .bed import Testbed
-from .test_launch import bucket, cli_env, job_processes
+from .test_launch import bucket, cli_env, host_processes, job_processes
 from .test_user_programs import FAST, dtrain
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -94,18 +94,7 @@ def copied(out: str, rid: str) -> int:
 
 def workers(bed: Testbed) -> dict[str, list[str]]:
     """Each host's processes running the script (torchrun's workers), as command lines."""
-    out: dict[str, list[str]] = {}
-    for h in bed.hosts:
-        found = []
-        for pid in bed.pids(h):
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if "train.py" in cmd:
-                found.append(f"{pid} {cmd}")
-        out[h.name] = found
-    return out
+    return host_processes(bed, lambda cmd: "train.py" in cmd)
 
 
 def test_trainer_script_on_two_hosts_killed_mid_run_resumes_to_the_uninterrupted_weights(
