@@ -109,6 +109,11 @@ def main() -> None:
     if trainer.is_world_process_zero():
         sha, total = digest(trainer.model)
         print(f"final digest {sha} sum {total:.6f}", flush=True)
+    # As torchrun scripts should: a process group left to the interpreter's exit can abort in gloo's teardown
+    # ("terminate called without an active exception", SIGABRT), failing a run that has finished.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
