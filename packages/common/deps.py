@@ -195,9 +195,11 @@ def _toml_dependencies_fallback(text: str) -> list[str]:
 def _interpreter(python: str) -> dict[str, Any]:
     """What the key and the venv need to know about an interpreter, asked once per process."""
     probe = (
-        "import json, site, sys; print(json.dumps({'version': sys.version, 'prefix': sys.prefix,"
+        "import importlib.util, json, site, sys; print(json.dumps({'version': sys.version, 'prefix': sys.prefix,"
         " 'base_prefix': sys.base_prefix, 'site': site.getsitepackages(),"
-        " 'lib': 'python%d.%d' % sys.version_info[:2]}))"
+        " 'lib': 'python%d.%d' % sys.version_info[:2],"
+        " 'ensurepip': importlib.util.find_spec('ensurepip') is not None,"
+        " 'pip': importlib.util.find_spec('pip') is not None}))"
     )
     try:
         out = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True, check=True, timeout=60)
@@ -280,8 +282,18 @@ def _build(
 ) -> None:
     with open(log_file, "ab") as out:
         step = _Steps(out, log_file, node)
-        step.run("python -m venv", [base_python, "-m", "venv", "--system-site-packages", str(env_dir)], cwd=code_dir)
-        _see_base_venv(env_dir, _interpreter(base_python))
+        info = _interpreter(base_python)
+        # An image's Python may lack ensurepip (Debian's and Ubuntu's python3 without python3-venv): the env is
+        # then made without pip of its own, and installs with the base's pip, which it sees as a system package.
+        own_pip = [] if info.get("ensurepip", True) else ["--without-pip"]
+        if reqs and own_pip and not info.get("pip", True):
+            raise DepsError(
+                f"{'node ' + node + ': ' if node else ''}{base_python} has neither pip nor ensurepip, so "
+                f"{reqs.source} cannot be installed: add pip to the node or image (python3-pip or python3-venv)"
+            )
+        venv = [base_python, "-m", "venv", "--system-site-packages", *own_pip, str(env_dir)]
+        step.run("python -m venv", venv, cwd=code_dir)
+        _see_base_venv(env_dir, info)
         python = str(env_dir / "bin" / "python")
         if reqs:
             pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", *reqs.pip_args()]

@@ -280,25 +280,32 @@ def container_argv(c: dict[str, Any], env_names: list[str], workdir: Path, uid: 
     argv += ["--ipc", "host"] if c.get("ipc_host", True) else ["--shm-size", c.get("shm_size", "8g")]
     if c.get("gpus"):
         argv += ["--gpus", "all"]
-    if uid != 0:
-        # Files on the mounted volumes belong to the node's user, as in synced mode. As root, the image's
-        # own (non-root) user runs, and the run's directories are handed to it (prepare_mounts).
+    # dockerd stops a container (VM shutdown, `docker stop` without -t) with SIGTERM, then SIGKILL after this
+    # many seconds; its default, 10 s, would cut the last checkpoint short of GCE's 30 s preemption notice
+    # (docs/preemption.md). A spec may ask for another budget.
+    argv += ["--stop-timeout", str(int(c.get("stop_timeout_s", 30)))]
+    if uid != 0 or c.get("user") == "host":
+        # Files on the mounted volumes belong to the node's user, as in synced mode. As root, a built-in runs
+        # as the image's own (non-root) user, and the run's directories are handed to it (prepare_mounts);
+        # a user's program (user = "host") runs as the agent's user: its files are the user's project's.
         argv += ["--user", f"{uid}:{gid}", "-e", "HOME=/tmp"]
     for src, dst, mode in c.get("mounts", []):
         path = Path(os.path.expanduser(src))
         path = path if path.is_absolute() else workdir / path
-        argv += ["-v", f"{path}:{dst}:{mode}"]
+        argv += ["-v", f"{path}:{dst or path}:{mode}"]  # no destination: the same path inside
     if c.get("cwd"):
-        argv += ["-w", c["cwd"]]
+        argv += ["-w", str(workdir / c["cwd"])]  # relative: a folder of the workdir, mounted at the same path
     for name in env_names:
         argv += ["-e", name]
+    if c.get("entrypoint"):
+        argv += ["--entrypoint", c["entrypoint"]]
     return [*argv, c["image"], *c["args"]]
 
 
 def prepare_mounts(c: dict[str, Any], workdir: Path, uid: int) -> None:
     """Create the writable mount sources under the workdir; as root, give them to the image's user."""
     owner = None
-    if uid == 0:
+    if uid == 0 and c.get("user") != "host":
         p = subprocess.run(
             [*c["docker"], "image", "inspect", "--format", "{{.Config.User}}", c["image"]],
             capture_output=True, text=True, check=False,
@@ -332,6 +339,10 @@ def run_container(spec: dict[str, Any]) -> int:
     uid, gid = os.getuid(), os.getgid()
     docker_quiet(c, "rm", "--force", c["name"])  # a container left by an earlier attempt of this run
     prepare_mounts(c, workdir, uid)
+    if c.get("pythonpath"):  # folders of the workdir (mounted at the same path) first on the job's PYTHONPATH
+        job_env = spec.setdefault("env", {})
+        paths = [str(workdir / p) for p in c["pythonpath"]]
+        job_env["PYTHONPATH"] = os.pathsep.join([*paths, job_env["PYTHONPATH"]] if job_env.get("PYTHONPATH") else paths)
     env = {**os.environ, **spec.get("env", {})}
     argv = container_argv(c, sorted(spec.get("env", {})), workdir, uid, gid)
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
@@ -411,8 +422,12 @@ def _say(message: str) -> None:
     print(f"dtrain: {message}", flush=True)
 
 
-def run() -> int:
-    line = sys.stdin.readline()
+def run(spec_env: str = "") -> int:
+    """A job: its spec as one JSON line on stdin, and then control lines on stdin (see the module docstring).
+    With `spec_env`, the spec is that environment variable instead and the job is controlled by this
+    process's own SIGINT and SIGTERM: the agent inside a user's program's container (`docker kill --signal`
+    reaches it through the container's init), where there is no stdin."""
+    line = os.environ.pop(spec_env, "") if spec_env else sys.stdin.readline()
     if not line:
         return 2
     spec = json.loads(line)
@@ -458,21 +473,20 @@ def run() -> int:
 
     killed: list[bool] = []  # the job had to be killed (KILL, or still running after the grace period)
 
-    def watch_stdin() -> None:
-        for raw in sys.stdin:
-            sig = SIGNALS.get(raw.strip())
-            if sig is not None:
-                if sig == signal.SIGKILL and proc.poll() is None:
-                    killed.append(True)
-                if files is not None and sig != signal.SIGKILL:
-                    files.stop_requested()
-                # torchrun forwards INT and TERM to its workers itself; KILL must reach them all. A command
-                # gets the signal as a whole session (its own launcher may not forward it).
-                if spec.get("signal_group"):
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(proc.pid, sig)
-                signal_tree(proc.pid, sig, only_root=sig != signal.SIGKILL)
-        # stdin closed: the launcher is gone. Stop the job, then make sure.
+    def control(sig: int) -> None:
+        if sig == signal.SIGKILL and proc.poll() is None:
+            killed.append(True)
+        if files is not None and sig != signal.SIGKILL:
+            files.stop_requested()
+        # torchrun forwards INT and TERM to its workers itself; KILL must reach them all. A command
+        # gets the signal as a whole session (its own launcher may not forward it).
+        if spec.get("signal_group"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+        signal_tree(proc.pid, sig, only_root=sig != signal.SIGKILL)
+
+    def stop_within_grace() -> None:
+        """Stop the job, then make sure: SIGTERM, and SIGKILL to what is left after the grace period."""
         if proc.poll() is None:
             if files is not None:
                 files.stop_requested()
@@ -484,7 +498,29 @@ def run() -> int:
                 killed.append(True)
             signal_tree(proc.pid, signal.SIGKILL)
 
-    threading.Thread(target=watch_stdin, daemon=True).start()
+    def watch_stdin() -> None:
+        for raw in sys.stdin:
+            sig = SIGNALS.get(raw.strip())
+            if sig is not None:
+                control(sig)
+        stop_within_grace()  # stdin closed: the launcher is gone
+
+    if spec_env:
+        # INT is passed on as a control line would be; the first TERM starts the grace period (a TERM from
+        # the outer agent, dockerd or the VM's shutdown), after which what is left is killed.
+        asked: list[int] = []
+
+        def on_signal(signum: int, _frame: Any) -> None:
+            if signum == signal.SIGINT:
+                threading.Thread(target=control, args=(signal.SIGINT,), daemon=True).start()
+            elif not asked:
+                asked.append(signum)
+                threading.Thread(target=stop_within_grace, daemon=True).start()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    else:
+        threading.Thread(target=watch_stdin, daemon=True).start()
     print(CONTROL_PREFIX + json.dumps({"event": "started", "pid": proc.pid}), flush=True)
     while proc.poll() is None:
         snapshot[:] = tree(proc.pid)  # the last view of the job's processes, to sweep at the end
@@ -511,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     pc = sub.add_parser("connect")
     pc.add_argument("--to", action="append", required=True)
     pc.add_argument("--timeout", type=float, default=3.0)
-    sub.add_parser("run")
+    pr = sub.add_parser("run")
+    pr.add_argument("--spec-env", default="", help="read the spec from this variable; control by INT and TERM")
     a = p.parse_args(argv)
     if a.cmd == "info":
         print(json.dumps((info_cached if a.cached else info)(a.workdir, a.addr)), flush=True)
@@ -520,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         return listen(a.addr, a.port, a.seconds)
     if a.cmd == "connect":
         return connect(a.to, a.timeout)
-    return run()
+    return run(a.spec_env)
 
 
 if __name__ == "__main__":

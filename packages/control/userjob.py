@@ -195,12 +195,18 @@ def program_plan(req: ProgramRequest) -> Any:
     settings = load_settings(req.config_path, req.flags)
     cfg = get_cluster(settings)
     cluster = backends.get(cfg.backend).cluster(cfg)
-    if launchers.over_ssh(cluster) and (req.image or cluster.image or cluster.needs_image):
+    in_image = req.image or cluster.image or cluster.needs_image
+    if in_image and launchers.over_ssh(cluster) and not launchers.get(cluster.launcher).images:
         # Refused before any node is reached (a Slurm cluster's login node included).
         why = "--image" if req.image else f"cluster {cluster.name!r} runs jobs in a container image"
         raise UserError(
-            f"{why}: your own program in container mode is not supported yet; run it on a hosts or Slurm "
-            "cluster whose nodes have Python and torch (synced mode: no --image, no image = ... for the cluster)"
+            f"{why}: your own program in a container image is not supported on Slurm yet; run it on a hosts "
+            "or gcp cluster without Slurm, or on a Slurm cluster whose nodes have Python and torch (no --image)"
+        )
+    if cluster.needs_image and not (req.image or cluster.image):
+        raise UserError(
+            f"cluster {cluster.name!r} runs jobs in a container image and has none: run dtrain build --cluster "
+            f'{cluster.name}, or set image = "..." in [clusters.{cluster.name}], or pass --image'
         )
     output = run_output(settings, cluster)
     # A Slurm cluster's nodes are Slurm's to pick from its partition (which is checked there).

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -305,3 +306,90 @@ def test_a_node_without_docker_is_named(bed: dict, tmp_path: Path) -> None:
     assert err.count("error:") == 1 and "node h0" not in err, r.stderr
     assert f"node h1 (root@{h1.address}:22): `{d.DOCKER} -H unix:///run/dtd-nonexistent.sock` does not work (" in err
     assert err.endswith("start the Docker daemon there (sudo systemctl start docker)"), err
+
+
+# --- a user's own program in the image ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def project(bed: dict) -> Path:
+    """A user's project (tests/programs/projects/ddp with its config and data, and a requirements.txt naming a
+    wheel kept in the project: the bed has no index) beside the bed's dtrain.toml."""
+    from projects import make_ddp_project, write_wheel
+
+    p = make_ddp_project(bed["cwd"] / "proj")
+    wheel = write_wheel(p / "wheels", "dtrain_image_dep", "0.1", "VALUE = 7\n")
+    (p / "requirements.txt").write_text(f"--no-index\n--find-links wheels\ndtrain-image-dep==0.1  # {wheel.name}\n")
+    shutil.copy(bed["cwd"] / "dtrain.toml", p / "dtrain.toml")
+    return p
+
+
+FAST = {"DTRAIN_INTERNAL_MIRROR_INTERVAL_S": "0.5", "DTRAIN_INTERNAL_STOP_GRACE_S": "5"}
+
+
+def in_project(bed: dict, project: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], cwd=project, env=env_of(bed, **FAST), capture_output=True, text=True,
+                          timeout=timeout, check=False)  # fmt: skip
+
+
+def test_a_users_command_runs_in_the_image_with_its_requirements(bed: dict, project: Path) -> None:
+    """The requirements go into a virtualenv made by the image's Python (it sees the image's torch), once per
+    node; the command runs in the job's container with the per-node variables and the SDK importable."""
+    out = bucket(bed["emulator"])
+    check = ("import os, torch, dtrain_image_dep; from dtrain import sdk; "
+             "print('IN', os.path.exists('/.dockerenv'), dtrain_image_dep.VALUE, torch.__version__ != '', "
+             "os.environ['NODE_RANK'], os.environ['NNODES'], sdk.in_dtrain())")  # fmt: skip
+    args = ["train", "--cluster", "bed", "--image", bed["image"], "--output", out, "--", "python", "-c", check]
+    first = in_project(bed, project, *args)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "requirements installed on h0, h1" in first.stdout, first.stdout
+    assert sorted(re.findall(r"IN True 7 True (\d) 2 True", first.stdout)) == ["0", "1"], first.stdout
+    assert f"image {bed['image']}" in " ".join(first.stdout.split())
+    second = in_project(bed, project, *args)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "requirements reused on every node" in second.stdout
+    assert no_containers_within(bed, 5) == {"h0": [], "h1": []}
+    # The environment was made for this image, under the node's workdir, and the files are the SSH user's.
+    envs = list((bed["tb"].hosts[1].workdir / "envs").glob("image-*/*/bin/python"))
+    assert len(envs) == 1, envs
+
+
+def test_a_users_script_in_the_image_killed_mid_run_resumes_from_its_own_checkpoint(bed: dict, project: Path):
+    """torchrun DDP in the image on two hosts; the launcher dies mid-run (the containers are stopped: the
+    script's checkpoint file is copied to the run by the agent inside); --resume puts it back and the script
+    continues from it to the same weights as an uninterrupted run."""
+    out = bucket(bed["emulator"])
+    args = ["--steps", "60", "--ckpt-every", "10", "--sleep", "0.1"]
+    base = ["train", "train.py", "--cluster", "bed", "--image", bed["image"], "--nproc", "1", "--output", out,
+            "--checkpoint-dir", "checkpoints"]  # fmt: skip
+    whole = in_project(bed, project, *base, "--", *args)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    expected = re.search(r"final weights (\[.*\])", whole.stdout)
+    assert expected, whole.stdout
+
+    p = subprocess.Popen([*CLI, *base, "--", *args], cwd=project, env=env_of(bed, **FAST), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    seen = ""
+    try:
+        deadline = time.monotonic() + 300
+        while "step 35 " not in seen and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            assert line or p.poll() is None, seen
+            seen += line
+        assert "step 35 " in seen, seen
+        os.killpg(p.pid, signal.SIGKILL)  # the CLI and its ssh clients, as when the machine goes away
+        p.wait(timeout=30)
+        left = no_containers_within(bed, 90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert left == {"h0": [], "h1": []}, left
+    rid = [ln.split(" run ", 1)[1].split()[0] for ln in seen.splitlines() if ln.startswith("starting ")][0]
+    resumed = in_project(bed, project, "train", "--resume", rid, "--output", out, "--cluster", "bed",
+                         "--image", bed["image"])  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    m = re.search(r"resumed at step (\d+)", resumed.stdout)
+    assert m and int(m.group(1)) >= 30, resumed.stdout
+    assert "checkpoint directory restored from the run" in resumed.stdout
+    assert re.search(r"final weights (\[.*\])", resumed.stdout).group(1) == expected.group(1)
+    assert no_containers_within(bed, 5) == {"h0": [], "h1": []}

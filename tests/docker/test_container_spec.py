@@ -110,3 +110,51 @@ def test_healthcheck_reads_the_process_table() -> None:
     )
     assert hc.check({1: (0, "S", "docker-init --"), 7: (1, "S", launcher), 9: (7, "Z", worker)})[0] is False
     assert hc.check({1: (0, "S", "docker-init --")}) == (False, "torchrun (dtrain.common.launch) is not running")
+
+
+def test_a_users_program_in_container_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node's agent runs `docker run IMAGE python3 -m dtrain.common.nodeagent run --spec-env ...`; the agent
+    inside gets the synced-mode spec (the program, its checkpoint directory and its copy) through one variable,
+    and the job's secrets and that spec reach the container by name only. The run directory and the image's
+    environments are mounted at their own paths, and the program runs as the node's user."""
+    import json
+
+    from dtrain.common.storage import open_store
+    from dtrain.control import launchers
+    from dtrain.control.program import Job, Program
+    from dtrain.control.remote_program import INNER_SPEC_ENV, program_spec
+    from dtrain.control.userjob import Target
+
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    c = cluster()
+    job = Job(name="train", program=Program(kind="script", target="train.py", args=("--lr", "3")),
+              workdir=tmp_path, checkpoint_dir="ckpts")  # fmt: skip
+    rid = "train-20260101-000000-abcd"
+    t = Target(rid, open_store(str(tmp_path / "runs" / rid)), 0, False)
+    plan = launchers.Plan(job=job, target=t, cluster=c, nproc=1, grace_s=20.0)
+    s = program_spec(plan, t, c, c.nodes[1], rank=1, nproc=1, threads=2, restore=True, gpus=2)
+    box = s["container"]
+    assert s["argv"] is None and box["gpus"] is True and box["user"] == "host" and box["entrypoint"] == "python3"
+    assert box["args"] == ["-m", "dtrain.common.nodeagent", "run", "--spec-env", INNER_SPEC_ENV]
+    assert s["grace_s"] == 20.0 + 30.0  # the inner agent's grace, then its last checkpoint copy
+    inner = json.loads(s["env"][INNER_SPEC_ENV])
+    assert inner["env"] == {} and "container" not in inner  # the values reach the container by name only
+    assert inner["argv"][:3] == ["python3", "-m", "dtrain.common.launch"] and inner["argv"][-3:] == [
+        "train.py",
+        "--lr",
+        "3",
+    ]
+    assert inner["files"]["checkpoint_dir"] == "work/ckpts" and inner["files"]["mirror"]["restore"] is True
+    assert s["env"]["HF_TOKEN"] == "hf_secret_value" and s["env"]["DTRAIN_NODE_RANK"] == "1"
+
+    (tmp_path / "runs" / rid).mkdir(parents=True, exist_ok=True)
+    argv = container_argv(box, sorted(s["env"]), tmp_path, 0, 0)
+    line = " ".join(argv)
+    assert "hf_secret_value" not in line and "--lr" not in line  # neither a secret nor the spec on a command line
+    assert (
+        f"-v {tmp_path}/runs/{rid}:{tmp_path}/runs/{rid}:rw" in line
+        and f"-v {tmp_path}/envs:{tmp_path}/envs:ro" in line
+    )
+    assert f"-w {tmp_path}/runs/{rid}" in line and f"-e {INNER_SPEC_ENV}" in line
+    assert "--user 0:0" in line  # as root too: the user's files stay the node user's, not the image's
+    assert argv[-7:] == ["--entrypoint", "python3", c.image, *box["args"]][-7:]

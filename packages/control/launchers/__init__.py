@@ -58,6 +58,7 @@ class Plan:
 class Launcher(Protocol):
     name: str  # the Cluster.launcher value it serves
     over_ssh: bool  # its nodes are reached over SSH (doctor, gpus, exec and the dashboard's node view ask)
+    images: bool  # it runs a user's program in a container image (--image, a cluster's image)
 
     def launch(self, plan: Plan, *, events: Events, handle: Handle) -> LaunchResult:
         """prepare, sync, execute (stop through `handle`), collect; the run and the job's exit code (ExitCode)."""

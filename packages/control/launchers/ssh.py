@@ -19,6 +19,7 @@ from dtrain.control.launchers import Plan
 class OverSSH:
     name = "ssh"
     over_ssh = True
+    images = True
 
     def launch(self, plan: Plan, *, events: Events, handle: Handle) -> LaunchResult:
         if plan.builtin is None:
