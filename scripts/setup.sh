@@ -8,6 +8,9 @@
 #   DTRAIN_TORCH=torch==2.13.0 scripts/setup.sh   choose the torch build (default below)
 #   DTRAIN_SETUP_DRY_RUN=1 scripts/setup.sh [--dev]   print what it would install, install nothing
 #
+# It prints one line per step; apt's and pip's own output goes to a log (DTRAIN_SETUP_LOG, by default
+# $TMPDIR/dtrain-setup-UID.log), whose last lines it shows when a step fails.
+#
 # torch is pinned to 2.13.0 because the machines this project is developed and tested on carry a
 # local CPU wheel of exactly that version; a looser spec pulls gigabytes of CUDA wheels. On a GPU
 # machine, set DTRAIN_TORCH to the CUDA build you want (docs/gpu.md).
@@ -36,6 +39,7 @@ DEV_APT_PACKAGES=(
   docker.io debootstrap docker-compose docker-registry
   chromium  # tests/dashboard: the pages in a real headless browser (Playwright drives it; no browser download)
   slurm-wlm munge  # tests/slurm: a real Slurm across the test bed's hosts (scripts/slurmbed.py)
+  sudo  # tests/service: the cluster service's `sudo -n scontrol` rule, run as its own user
 )
 EXTRAS="train"
 [ "$DEV" = 1 ] && APT_PACKAGES+=("${DEV_APT_PACKAGES[@]}") && EXTRAS="dev,lora,tensorboard"
@@ -47,36 +51,51 @@ if [ "${DTRAIN_SETUP_DRY_RUN:-0}" = 1 ]; then
   exit 0
 fi
 
+# One line per step on the terminal; what apt and pip print (hundreds of lines on a fresh machine, their
+# warnings included) goes to the log, whose last lines are shown if a step fails.
+LOG="${DTRAIN_SETUP_LOG:-${TMPDIR:-/tmp}/dtrain-setup-$(id -u).log}"
+: >"$LOG"
+step() {  # step WHAT COMMAND...
+  local what=$1 t0=$SECONDS rc=0
+  shift
+  printf 'setup: %s ... ' "$what"
+  "$@" >>"$LOG" 2>&1 || rc=$?
+  if [ "$rc" = 0 ]; then
+    echo "done ($((SECONDS - t0)) s)"
+  else
+    echo "FAILED (exit $rc)"
+    echo "setup: the last lines of $LOG:" >&2
+    tail -n 25 "$LOG" >&2
+    exit "$rc"
+  fi
+}
+
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   missing=()
   for p in "${APT_PACKAGES[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   if [ ${#missing[@]} -gt 0 ]; then
-    echo "setup: apt-get install ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    step "apt-get update" apt-get update -qq
+    step "apt-get install ${missing[*]}" env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -qq --no-install-recommends "${missing[@]}"
   fi
 elif ! [ -d /usr/share/datasets/fashion-mnist ]; then
   echo "setup: not root, skipping apt; for offline Fashion-MNIST run: sudo apt-get install dataset-fashion-mnist" >&2
 fi
 
 if [ ! -x .venv/bin/python ]; then
-  echo "setup: creating .venv"
-  "$PYTHON" -m venv .venv
+  step "creating .venv" "$PYTHON" -m venv .venv
 fi
 # What was installed, and from which inputs: a second run with the same ones installs nothing.
 stamp=".venv/.dtrain-setup-$EXTRAS-$(sha256sum <pyproject.toml | cut -c1-12)-$(echo "$TORCH_SPEC" | tr -c 'a-zA-Z0-9.=+' _)"
 if [ ! -e "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  echo "setup: pip install $TORCH_SPEC"
-  .venv/bin/python -m pip install -q "$TORCH_SPEC"
-  echo "setup: pip install -e .[$EXTRAS]"
-  .venv/bin/python -m pip install -q -e ".[$EXTRAS]"
+  step "pip install --upgrade pip" .venv/bin/python -m pip install -q --upgrade pip
+  step "pip install $TORCH_SPEC" .venv/bin/python -m pip install -q "$TORCH_SPEC"
+  step "pip install -e .[$EXTRAS]" .venv/bin/python -m pip install -q -e ".[$EXTRAS]"
   rm -f .venv/.dtrain-setup-*
   touch "$stamp"
 fi
 if [ "$DEV" = 1 ]; then
   # checkov (tests/infra) has its own virtualenv: it pins dozens of packages the dev extra also uses.
-  echo "setup: checkov into .venv-tools"
-  PYTHON="$PYTHON" bash scripts/infra-tools.sh >/dev/null
+  step "checkov into .venv-tools" env PYTHON="$PYTHON" bash scripts/infra-tools.sh
 fi
-echo "setup: done. Train with: .venv/bin/dtrain train mnist --dataset fashion-mnist"
+echo "setup: done (details in $LOG). Train with: .venv/bin/dtrain train mnist --dataset fashion-mnist"

@@ -4,12 +4,17 @@ test that skips for anything but a missing GPU or an absent ../shared fails the 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
+
+from gpu_check import machine_has_gpu
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,10 +77,11 @@ STRICT_PROBE = textwrap.dedent(
 )
 
 
-def _probe(tmp_path: Path, reason: str, strict: str) -> subprocess.CompletedProcess:
+def _probe(tmp_path: Path, reason: str, strict: str, path: str | None = None) -> subprocess.CompletedProcess:
     (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    (tmp_path / "gpu_check.py").write_text((REPO / "tests" / "gpu_check.py").read_text())
     (tmp_path / "test_probe.py").write_text(STRICT_PROBE.format(reason=reason))
-    env = {**os.environ, "DTRAIN_STRICT_SKIPS": strict}
+    env = {**os.environ, "DTRAIN_STRICT_SKIPS": strict, "PATH": path or os.environ["PATH"]}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_probe.py"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
@@ -86,11 +92,176 @@ def test_a_skip_that_hides_a_test_fails_the_run(tmp_path):
     strict = _probe(tmp_path, "needs root (network namespaces)", "1")
     assert strict.returncode == 1, strict.stdout
     assert "test_probe.py::test_hidden: needs root (network namespaces)" in strict.stdout
-    assert "test_needs_a_gpu" not in strict.stdout.split("DTRAIN_STRICT_SKIPS")[-1]
+    if not machine_has_gpu():
+        assert "test_needs_a_gpu" not in strict.stdout.split("DTRAIN_STRICT_SKIPS")[-1]
     lenient = _probe(tmp_path, "needs root (network namespaces)", "0")
     assert lenient.returncode == 0, lenient.stdout
 
 
-def test_allowed_skips_pass_the_strict_run(tmp_path):
-    r = _probe(tmp_path, "no GPU on this machine", "1")
-    assert r.returncode == 0, r.stdout
+def test_allowed_skips_pass_the_strict_run_on_a_machine_without_a_gpu(tmp_path):
+    # the canonical GPU reason passes only where there is no GPU; on a GPU machine the GPU tests must run
+    r = _probe(tmp_path, "needs ../shared/data/imagenet", "1")
+    assert r.returncode == (1 if machine_has_gpu() else 0), r.stdout
+
+
+def test_a_reason_that_only_mentions_a_gpu_fails_the_strict_run(tmp_path):
+    r = _probe(tmp_path, "no GPU on this machine, and no root either", "1")
+    assert r.returncode == 1, r.stdout
+    assert "test_probe.py::test_hidden: no GPU on this machine" in r.stdout
+
+
+def test_a_gpu_skip_fails_the_strict_run_where_nvidia_smi_lists_a_gpu(tmp_path):
+    # a stand-in nvidia-smi that answers as one on an H100 machine does: the detection, not the GPU, is tested
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text('#!/bin/sh\n[ "$1" = -L ] && echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n')
+    fake.chmod(0o755)
+    r = _probe(tmp_path, "needs ../shared/data/imagenet", "1", path=f"{bin_dir}:{os.environ['PATH']}")
+    assert r.returncode == 1, r.stdout
+    assert "this machine has a GPU" in r.stdout and "test_probe.py::test_needs_a_gpu: needs a CUDA GPU" in r.stdout
+
+
+def _collect_probe(tmp_path: Path, files: dict[str, str], strict: str) -> subprocess.CompletedProcess:
+    (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    (tmp_path / "gpu_check.py").write_text((REPO / "tests" / "gpu_check.py").read_text())
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "."],
+        cwd=tmp_path, env={**os.environ, "DTRAIN_STRICT_SKIPS": strict}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+PASSING = "def test_runs():\n    assert 1 + 1 == 2\n"
+
+
+def test_a_module_level_importorskip_fails_the_strict_run(tmp_path):
+    files = {
+        "test_ok.py": PASSING,
+        "test_extra.py": "import pytest\npytest.importorskip('dtrain_no_such_extra', reason='needs the nope extra')\n"
+        + PASSING.replace("test_runs", "test_hidden_by_the_import"),
+    }
+    strict = _collect_probe(tmp_path, files, "1")
+    assert strict.returncode == 1, strict.stdout
+    assert "test_extra.py: needs the nope extra" in strict.stdout
+    assert _collect_probe(tmp_path, files, "0").returncode == 0
+
+
+def test_a_conftest_that_skips_and_a_module_level_skip_fail_the_strict_run(tmp_path):
+    files = {
+        "test_ok.py": PASSING,
+        "gcp/conftest.py": "import pytest\npytest.importorskip('dtrain_no_such_sdk', reason='needs the gcp extra')\n",
+        "gcp/test_preemption.py": PASSING,
+        "test_module_skip.py": "import pytest\npytest.skip('needs root', allow_module_level=True)\n" + PASSING,
+    }
+    strict = _collect_probe(tmp_path, files, "1")
+    assert strict.returncode == 1, strict.stdout
+    assert "gcp: needs the gcp extra" in strict.stdout and "test_module_skip.py: needs root" in strict.stdout
+
+
+def _test_sh(tmp_path: Path, files: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """The real scripts/test.sh in a copy of the repository's layout, around a small test directory;
+    setup (scripts/setup.sh) is replaced by a no-op: it is not what this checks."""
+    tmp_path = tmp_path / f"repo{len(list(tmp_path.iterdir()))}"
+    tmp_path.mkdir()
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "test.sh").write_text((REPO / "scripts" / "test.sh").read_text())
+    (tmp_path / "scripts" / "setup.sh").write_text("exit 0\n")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (tmp_path / ".venv" / "bin" / "python").chmod(0o755)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: a slow test\naddopts = -p no:cacheprovider\n")
+    (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    (tmp_path / "gpu_check.py").write_text((REPO / "tests" / "gpu_check.py").read_text())
+    for name, text in files.items():
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    env = {k: v for k, v in os.environ.items() if k != "DTRAIN_STRICT_SKIPS"}
+    return subprocess.run(["bash", "scripts/test.sh", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
+SLOW = "import pytest\n\n@pytest.mark.slow\ndef test_slow():\n    assert 2 * 2 == 4\n"
+
+
+def test_test_sh_fails_when_a_run_collects_nothing(tmp_path):
+    both = _test_sh(tmp_path, {"test_fast.py": PASSING, "test_slow.py": SLOW})
+    assert both.returncode == 0, both.stdout + both.stderr
+    no_slow = _test_sh(tmp_path, {"test_fast.py": PASSING})
+    assert no_slow.returncode == 5, no_slow.stdout + no_slow.stderr
+    assert "the slow run collected no test (pytest exit 5): a failure" in no_slow.stderr
+
+
+def test_test_sh_with_a_selection_needs_one_of_the_runs_to_find_tests(tmp_path):
+    files = {"test_fast.py": PASSING}
+    selected = _test_sh(tmp_path, files, "-k", "runs")
+    assert selected.returncode == 0, selected.stdout + selected.stderr
+    nothing = _test_sh(tmp_path, files, "-k", "no_such_test")
+    assert nothing.returncode == 5, nothing.stdout + nothing.stderr
+
+
+def test_test_sh_fails_when_a_module_skips_at_collection(tmp_path):
+    skipping = "import pytest\npytest.importorskip('dtrain_no_such_extra', reason='needs an extra')\n"
+    files = {"test_fast.py": PASSING, "test_slow.py": SLOW, "test_extra.py": skipping}
+    r = _test_sh(tmp_path, files)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "test_extra.py: needs an extra" in r.stdout
+
+
+def _setup_copy(tmp_path: Path) -> Path:
+    """scripts/setup.sh and pyproject.toml in an otherwise empty checkout."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "setup.sh").write_text((REPO / "scripts" / "setup.sh").read_text())
+    (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
+    return tmp_path
+
+
+def test_setup_prints_one_line_per_step_and_the_log_when_one_fails(tmp_path):
+    root = _setup_copy(tmp_path)
+    log = tmp_path / "setup.log"
+    env = {**os.environ, "PYTHON": "false", "DTRAIN_SETUP_LOG": str(log)}  # `false -m venv .venv` fails
+    p = subprocess.run(["bash", "scripts/setup.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stdout.splitlines()[-1] == "setup: creating .venv ... FAILED (exit 1)", p.stdout
+    assert f"setup: the last lines of {log}:" in p.stderr
+
+
+def test_setup_with_everything_in_place_prints_one_line(tmp_path):
+    root = _setup_copy(tmp_path)
+    (root / ".venv" / "bin").mkdir(parents=True)
+    # nothing to install: the venv's python must not even run
+    (root / ".venv" / "bin" / "python").write_text('#!/bin/sh\necho "unexpected: python $*" >&2; exit 97\n')
+    (root / ".venv" / "bin" / "python").chmod(0o755)
+    digest = hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()[:12]
+    (root / ".venv" / f".dtrain-setup-train-{digest}-torch==2.13.0_").touch()  # the spec and its newline
+    env = {**os.environ, "DTRAIN_SETUP_LOG": str(tmp_path / "setup.log")}
+    env.pop("DTRAIN_TORCH", None)
+    p = subprocess.run(["bash", "scripts/setup.sh"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.splitlines() == [f"setup: done (details in {tmp_path / 'setup.log'}). Train with: .venv/bin/dtrain "
+                                     "train mnist --dataset fashion-mnist"], p.stdout  # fmt: skip
+
+
+def test_the_wheel_builds_without_setuptools_warnings_and_carries_the_bundle(tmp_path):
+    """The packaging names every directory it takes files from (no "absent from the packages configuration"
+    warnings, 40 lines of them on a fresh machine), and the wheel holds what `dtrain up`/`build` and the
+    dashboard read."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("cli", "packages", "infra", "docker"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", ".terraform*"))
+    for name in ("Dockerfile.train", "Dockerfile.train.gpu", ".dockerignore", "pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+                        "-w", str(tmp_path / "wheel")], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "absent from the" not in p.stdout + p.stderr and "Warning" not in p.stdout + p.stderr, p.stderr
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    wanted = ["bundle/infra/main.tf", "bundle/infra/modules/plan/rules.json", "bundle/infra/node-startup.sh",
+              "bundle/docker/entrypoint.sh", "bundle/docker/requirements.txt", "bundle/Dockerfile.train",
+              "bundle/.dockerignore", "dashboard/templates/base.html", "dashboard/static/charts.js",
+              "service/daemon.py"]  # fmt: skip
+    for path in (f"dtrain/{w}" for w in wanted):
+        assert path in names, path

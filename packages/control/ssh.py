@@ -15,10 +15,9 @@ import concurrent.futures
 import contextlib
 import hashlib
 import os
-import shlex
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -105,7 +104,7 @@ class SSH:
         except subprocess.TimeoutExpired:
             raise NodeError(node, f"no answer within {timeout:.0f} s running {_short(command)}") from None
         if p.returncode == SSH_FAILED:
-            raise NodeError(node, explain(p.stderr.decode(errors="replace"), node, self.known_hosts))
+            raise NodeError(node, explain(p.stderr.decode(errors="replace"), node, self.known_hosts, p.returncode))
         if check and p.returncode != 0:
             tail = p.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
             raise NodeError(node, f"{_short(command)} exited {p.returncode}: {tail[0]}")
@@ -151,19 +150,8 @@ class SSH:
         self.close()
 
 
-def remote_command(argv: Sequence[str], *, cwd: str = "", env: dict[str, str] | None = None) -> str:
-    """A shell command line that runs `argv` in `cwd` (relative: to the home directory)."""
-    parts = []
-    if cwd:
-        parts.append(f"cd {shlex.quote(cwd)} &&")
-    if env:
-        parts.append("env " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()))
-    parts.append("exec " + shlex.join(argv))
-    return " ".join(parts)
-
-
-def explain(stderr: str, node: Node, known_hosts: Path) -> str:
-    """ssh's complaint as one line that says what to do."""
+def explain(stderr: str, node: Node, known_hosts: Path, code: int = SSH_FAILED) -> str:
+    """ssh's complaint (it exited `code`, 255: its own failure) as one line that says what to do."""
     text = " ".join(stderr.split())
     low = text.lower()
     if "remote host identification has changed" in low or "host key for" in low and "has changed" in low:
@@ -190,7 +178,13 @@ def explain(stderr: str, node: Node, known_hosts: Path) -> str:
         return f"the SSH key {node.key} cannot be read"
     if "broken pipe" in low or "connection reset" in low or "closed by remote host" in low:
         return f"the SSH connection dropped ({_last(text)})"
-    return f"ssh failed: {_last(text) or 'no message'}"
+    if text:
+        return f"ssh failed (exit {code}): {_last(text)}"
+    # ssh said nothing (its stderr lost, or LogLevel=QUIET): the exit code is all there is
+    return (
+        f"ssh exited {code} without a message: 255 is ssh's own failure (the connection, the login or the host "
+        f"key), not the remote command's; `ssh -v -p {node.port} {node.destination}` shows which"
+    )
 
 
 def _last(text: str) -> str:

@@ -17,7 +17,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, type=Path, help="the service's JSON config (dtrain up writes it)")
     parser.add_argument("--once", action="store_true", help="one poll, then exit")
     args = parser.parse_args(argv)
-    cfg = ServiceConfig.load(args.config)
+    try:
+        cfg = ServiceConfig.load(args.config)
+    except (OSError, ValueError, TypeError) as e:
+        # fatal: one line for the journal and a non-zero exit; systemd's Restart= starts it again
+        print(f"dtrain-service: cannot start: {args.config}: {e}", file=sys.stderr, flush=True)
+        return 2
 
     from dtrain.control.gcp.lifecycle import connect
 

@@ -35,7 +35,7 @@ print("\\nPROBE " + json.dumps({{"code": code, "loaded": loaded, "tried": sorted
 
 @pytest.mark.parametrize("argv", [["--help"], ["config", "show"], ["config", "show", "--json"]])
 def test_no_heavy_imports(tmp_path, argv):
-    (tmp_path / "dtrain.toml").write_text('[mnist]\nepochs = 2\n[clusters.c]\nbackend = "gcp"\n')
+    (tmp_path / "dtrain.toml").write_text('[mnist]\nepochs = 2\n[clusters.cc]\nbackend = "gcp"\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTRAIN_")}
     code = PROBE.format(heavy=HEAVY, cwd=str(tmp_path), argv=argv)
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)

@@ -112,3 +112,33 @@ def test_installed_command(cwd):
     assert p.stderr == (
         "error: unknown environment variable DTRAIN_NPROCS (did you mean DTRAIN_NPROC?); unset it or fix its name\n"
     )
+
+
+GCP_TABLE = '[clusters.demo]\nbackend = "gcp"\nproject = "dtrain-test"\nssh_source_ranges = ["203.0.113.7/32"]\n'
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('autostop = "banana"', 'autostop must be a duration like "30m", "2h", "90s" or seconds, got \'banana\''),
+        ("workers = 100000", "workers must be 0-63, got 100000"),
+    ],
+)
+def test_show_refuses_a_cluster_table_that_up_and_status_would_refuse(cwd, capsys, line, message):
+    """One check of a cluster table (its backend's, when dtrain.toml is read): what `config show` prints,
+    `up`, `status` and `preflight` accept, and the same line refuses it everywhere."""
+    from dtrain.common.errors import UserError
+    from dtrain.control.gcp.spec import gcp_spec
+
+    (cwd / "dtrain.toml").write_text(GCP_TABLE)
+    assert run(["config", "show", "--json"]) == 0
+    capsys.readouterr()
+    (cwd / "dtrain.toml").write_text(GCP_TABLE + line + "\n")
+    for argv in (["config", "show"], ["status", "--cluster", "demo"], ["preflight", "--cluster", "demo"]):
+        assert run(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert (out, err) == ("", f"error: dtrain.toml [clusters.demo]: {message}\n"), argv
+    key, _, value = line.partition(" = ")
+    with pytest.raises(UserError) as raised:
+        gcp_spec("demo", {"backend": "gcp", "project": "dtrain-test", key: json.loads(value)}, "where")
+    assert str(raised.value) == f"where: {message}"

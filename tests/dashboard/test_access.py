@@ -4,6 +4,7 @@ once, kept 0600 and printed only when made; it never shows up in what the server
 from __future__ import annotations
 
 import stat
+import time
 from pathlib import Path
 
 import httpx
@@ -40,6 +41,31 @@ def test_a_non_local_bind_refuses_requests_without_the_token(dashboard, finished
         assert c.get("/api/v1/runs", headers={"Cookie": f"{COOKIE}={session}"}).status_code == 200
         forged = session[:-1] + ("1" if session.endswith("0") else "0")
         assert c.get("/api/v1/runs", headers={"Cookie": f"{COOKIE}={forged}"}).status_code == 401
+
+        # The state-changing endpoints: refused without the token like the pages, before they act (no
+        # evaluation starts: nothing is written under the runs).
+        c.cookies.clear()  # the jar holds the session the sign-in above set
+        before = sorted(p.relative_to(finished_runs) for p in finished_runs.rglob("*"))
+        writes = [("POST", "/api/v1/evals", {"run": run_id}),
+                  ("POST", "/api/v1/jobs", {"workload": "mnist", "settings": {"mnist.epochs": 1}}),
+                  ("DELETE", "/api/v1/jobs/7", None)]  # fmt: skip
+        wrong = {"Authorization": "Bearer " + "x" * len(token)}
+        for method, path, body in writes:
+            for headers in ({}, wrong, {"Cookie": f"{COOKIE}={forged}"}):
+                r = c.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401 and r.json() == {"detail": "this dashboard needs its token"}, (method, r)
+            # a signed-in browser's cookie does not let another site's page make it act
+            cross = c.request(method, path, json=body, headers={"Cookie": f"{COOKIE}={session}",
+                                                                "Origin": "http://attacker.example"})  # fmt: skip
+            assert cross.status_code == 403, (method, path, cross.text)
+        time.sleep(0.5)
+        assert sorted(p.relative_to(finished_runs) for p in finished_runs.rglob("*")) == before
+        # With the token they pass the guard and answer for themselves: no such run, no Slurm here.
+        bearer = {"Authorization": f"Bearer {token}"}
+        assert c.post("/api/v1/evals", json={"run": "no-such-run"}, headers=bearer).status_code == 404
+        for method, path, body in writes[1:]:
+            answer = c.request(method, path, json=body, headers=bearer)
+            assert answer.status_code == 400 and "has no Slurm" in answer.json()["detail"], answer.text
 
     assert server.stop() == 0
     logged = server.output

@@ -149,7 +149,7 @@ def test_registry_from_the_cluster_record(tmp_path: Path) -> None:
             del os.environ["XDG_CONFIG_HOME"]
         else:
             os.environ["XDG_CONFIG_HOME"] = old
-    (tmp_path / "dtrain.toml").write_text('[clusters.demo]\nbackend = "gcp"\nproject = "proj"\n')
+    (tmp_path / "dtrain.toml").write_text('[clusters.demo]\nbackend = "gcp"\nproject = "proj-123456"\n')
     # No Google credentials here: the registry came from the record, and the push is refused before any build.
     env["GOOGLE_APPLICATION_CREDENTIALS"] = str(tmp_path / "missing-key.json")
     p = subprocess.run(

@@ -6,15 +6,18 @@ A backend is one module in this package that defines `BACKEND`, an object with:
     name        the value of `backend = "..."` in dtrain.toml
     keys        the table keys it accepts (besides `backend`)
     check(cfg)          -> None      a bad table is one UserError line naming the key (settings calls it
-                                     for every table when dtrain.toml is read)
+                                     for every table when dtrain.toml is read): the one place a table is
+                                     validated, so what `config show` prints, up/status/preflight accept
     cluster(cfg)        -> Cluster   the node list, master first (what launch, doctor, gpus, exec use)
 
 and, where it provisions machines (`provisions = True`):
 
-    preflight(cfg, events)                         -> gcp.lifecycle.PreflightResult
-    up(cfg, options, events, handle, confirm)      -> UpResult
-    down(cfg, options, events, handle, confirm)    -> DownResult
-    status(cfg)                                    -> StatusResult
+    preflight(cfg, *, events)                      -> gcp.lifecycle.PreflightReport
+    up(cfg, *, events, handle, confirm, ...)       -> gcp.lifecycle.UpResult
+    down(cfg, *, events, handle, confirm, ...)     -> gcp.lifecycle.DownResult
+    status(cfg)                                    -> gcp.lifecycle.StatusResult
+
+The `...` are the commands' own flags as keyword arguments (next_zone, keep, ...; no options object).
 
 Adding a backend is one module and one line in REGISTRY; nothing outside this package branches on
 a backend's name. Modules are imported when first used, so a backend's cloud SDK costs nothing to a

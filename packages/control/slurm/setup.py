@@ -28,7 +28,6 @@ import os
 import re
 import shlex
 import time
-from pathlib import Path
 from typing import Any
 
 from dtrain.common.errors import ExitCode, UserError
@@ -115,10 +114,6 @@ def munge_key(cluster: str) -> bytes:
         with os.fdopen(fd, "wb") as f:
             f.write(os.urandom(KEY_BYTES))
     return path.read_bytes()
-
-
-def munge_key_path(cluster: str) -> Path:
-    return config_dir() / "clusters" / cluster / "munge.key"
 
 
 # ---------------------------------------------------------------------------------------------
