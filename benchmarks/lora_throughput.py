@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import shlex
 import statistics
 import subprocess
@@ -42,6 +41,8 @@ from typing import Any
 
 import torch
 
+# Dense peak FLOP/s by GPU name and precision: one table for dtrain, with its datasheet sources.
+from dtrain.common.accelerators import peak_flops
 from dtrain.common.config import Precision
 from dtrain.common.precision import resolve_precision
 from dtrain.lora.data import read_texts
@@ -61,19 +62,6 @@ QUICK_STEPS, QUICK_WARMUP = 6, 2
 # from dominating the wall time on a large corpus.
 OURS_EVAL_BATCHES = 4
 SHUTDOWN_GRACE_S = 60.0  # after Ctrl-C, how long a pipeline may take to stop before it is killed
-# Dense (no 2:4 sparsity) peak FLOP/s by GPU and precision, from NVIDIA's datasheets, which quote the
-# tensor-core figures with sparsity (twice these). fp32 is the TF32 tensor-core rate where the GPU has
-# TF32, since dtrain runs fp32 products in TF32 on CUDA; the T4 has none, so its CUDA cores' fp32 rate.
-# The T4 has no bf16. Keys are matched as words in the name nvidia-smi reports, first match wins.
-PEAK_FLOPS = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
-    "H100 NVL": {"bf16": 835e12, "fp16": 835e12, "fp32": 417e12},
-    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 378e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},  # SXM
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "fp32": 60e12},
-    "T4": {"fp16": 65e12, "fp32": 8.1e12},
-}
 # Settings a benchmark must not inherit from the caller's shell; where caches are may pass.
 KEEP_ENV = {"DTRAIN_CACHE_DIR", "DTRAIN_OFFLINE"}
 FLOPS_FORMULA = (
@@ -189,15 +177,6 @@ def default_precision(gpu: tuple[str, float] | None) -> str:
     if gpu is None:
         return "fp32"
     return "bf16" if gpu[1] >= 8.0 else "fp16"
-
-
-def peak_flops(gpu_name: str, precision: str) -> float | None:
-    """The dense peak FLOP/s of `gpu_name` in `precision` (PEAK_FLOPS), or None for a GPU or precision
-    the table does not have."""
-    for key, peaks in PEAK_FLOPS.items():
-        if re.search(rf"\b{re.escape(key)}\b", gpu_name):
-            return peaks.get(precision)
-    return None
 
 
 def flops_per_token(model_name: str, seq_len: int) -> tuple[float, dict[str, int]]:

@@ -53,6 +53,7 @@ def _register() -> None:
         eval_cmd,
         gcp_cmd,
         jobs_cmd,
+        plan_cmd,
         runs_cmd,
         train_cmd,
     )
@@ -73,6 +74,7 @@ def _register() -> None:
     app.command("down")(gcp_cmd.down)
     app.command("status")(gcp_cmd.status)
     app.command("preflight")(gcp_cmd.preflight_cmd)
+    app.command("plan")(plan_cmd.plan)
     app.command("dashboard")(dashboard_cmd.dashboard)
     app.add_typer(jobs_cmd.submit_app, name="submit")
     app.command("jobs")(jobs_cmd.jobs)

@@ -18,6 +18,8 @@ output "cluster" {
         gpus         = module.plan.gpus
         accelerator  = module.plan.accelerator
         machine_type = module.plan.machine_type
+        # New for every VM Compute creates: a changed id tells `dtrain up` the VM (and its SSH host key) is new.
+        instance_id = google_compute_instance.node[name].instance_id
       }
     ]
   }

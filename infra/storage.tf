@@ -26,6 +26,22 @@ resource "google_storage_bucket" "checkpoints" {
     }
   }
 
+  # The files a run appends to while it trains (metrics.jsonl, events.jsonl, logs/*.log) grow by a
+  # server-side compose every few seconds, and on a versioned bucket every compose leaves the previous
+  # object behind as a noncurrent copy: thousands a day, each a full copy. Those copies are worth
+  # nothing once the next append lands; keep them one day, not bucket_lifecycle_days. GCS versioning
+  # is per bucket, so these objects cannot be kept out of it by name (docs/decisions.md, issue 22).
+  lifecycle_rule {
+    condition {
+      days_since_noncurrent_time = 1
+      with_state                 = "ARCHIVED"
+      matches_suffix             = ["metrics.jsonl", "events.jsonl", ".log"]
+    }
+    action {
+      type = "Delete"
+    }
+  }
+
   # A checkpoint upload cut off by preemption leaves parts behind; drop them after a day.
   lifecycle_rule {
     condition {

@@ -73,6 +73,7 @@ class ServiceConfig:
     workers: list[str]
     autostop: str = "60m"
     autostop_action: str = "stop"
+    capacity_wait: str = "2h"  # autostop fires anyway after a node has waited this long for Spot capacity
     stall_after: str = "30m"  # a running job whose metrics have not advanced this long is not activity
     workdir: str  # the Slurm login workdir: its jobs/ table names each job's run
     state_file: str  # where the CLI reads the state (`dtrain jobs`, `dtrain status`)
@@ -82,6 +83,7 @@ class ServiceConfig:
         if self.autostop_action not in ("stop", "delete"):
             raise ValueError(f'autostop_action = {self.autostop_action!r}: expected "stop" or "delete"')
         parse_duration(self.autostop)
+        parse_duration(self.capacity_wait)
         self.stall_after_s  # noqa: B018 - checked here, used each poll
 
     @property
@@ -152,6 +154,7 @@ class Service:
             workers=list(self.cfg.workers),
             autostop_s=parse_duration(self.cfg.autostop),
             autostop_action=self.cfg.autostop_action,
+            capacity_wait_s=parse_duration(self.cfg.capacity_wait),
         )
         with contextlib.suppress(FileNotFoundError, ValueError, TypeError):
             old = State.from_dict(json.loads(Path(self.cfg.state_file).read_text()))
@@ -290,8 +293,8 @@ class Service:
             else:
                 self.events.warning(f"scontrol resume {name}: {err}")
         elif action.kind in ("stop", "delete"):
-            self._record(Note("autostop", name, f"autostop: {action.kind} {name} (idle since "
-                                                f"{logic.hhmm(self.state.idle_since or time.time())})"))  # fmt: skip
+            why = self.state.stop_reason or f"idle since {logic.hhmm(self.state.idle_since or time.time())}"
+            self._record(Note("autostop", name, f"autostop: {action.kind} {name} ({why})"))
             if name == self.cfg.master:
                 self.state.stopped = True
                 self._write_state()  # before the last call: this machine stops under us

@@ -12,6 +12,10 @@ Rules (docs/service.md says why):
   - Autostop: idle means no job that can still run (running, or pending on a reason that can clear) and
     no login session, with no node in recovery and every check answered, for `autostop_s`. Then the
     workers stop, and the master last (it is the machine this runs on).
+  - A Spot stockout does not keep the cluster up for ever: once a node has waited for capacity for
+    `capacity_wait_s` (the `capacity_wait` key, default 2 h), autostop fires anyway, unless a job is
+    running or someone is logged in. The jobs pending for the missing node stay in Slurm's queue (on the
+    master's disk with "stop"): the next `dtrain up`/`submit` starts the cluster and they run.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 
 START_BACKOFF_S = 5.0
 START_BACKOFF_CAP_S = 300.0
+CAPACITY_WAIT_S = 2 * 3600.0  # the default bound on waiting for Spot capacity before autostop fires
 
 # A pending job waiting on one of these reasons will not run without someone acting (a hold, a request the
 # cluster can never satisfy, a dependency that failed): it does not keep the cluster up (skypilot#9926).
@@ -100,12 +105,14 @@ class State:
     workers: list[str]
     autostop_s: float | None  # None: off
     autostop_action: str = "stop"
+    capacity_wait_s: float | None = CAPACITY_WAIT_S  # None: wait for capacity for ever
     nodes: dict[str, NodeTrack] = dataclasses.field(default_factory=dict)
     job_nodes: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # job -> nodes it last ran on
     idle_since: float | None = None
     autostop_at: float | None = None
     stopping: bool = False
     stopped: bool = False
+    stop_reason: str = ""  # why autostop fired ("idle since 14:02", "waiting for Spot capacity since 14:02")
     status_error: str = ""  # the last failed status call, while it keeps failing
     status_error_at: float | None = None
     updated: float = 0.0
@@ -180,7 +187,7 @@ def decide(state: State, seen: Seen, now: float) -> tuple[list[Action], list[Not
                 t.phase, t.attempts, t.next_try = "starting", 0, now
                 t.capacity_since, t.last_error, t.preempted_at, t.jobs = None, "", vm.preempted_at or "", jobs
                 notes.append(Note("preempted", name, f"node {name} was preempted (Spot)", tuple(jobs)))
-            if now >= t.next_try:
+            if now >= t.next_try and not state.stopping:
                 actions.append(Action("start", name))
         elif t.phase == "returning" and vm.status == "RUNNING":
             if seen.slurm_up is not None and name in seen.slurm_up:
@@ -201,12 +208,29 @@ def _jobs_on(state: State, node: str, seen: Seen) -> list[str]:
     return sorted(jobs, key=int)
 
 
+def capacity_wait_since(state: State) -> float | None:
+    """Since when a node has been waiting for Spot capacity (the longest wait), or None."""
+    waits = [t.capacity_since for t in state.nodes.values() if t.phase == "waiting-capacity" and t.capacity_since]
+    return min(waits) if waits else None
+
+
 def _autostop(state: State, seen: Seen, now: float, actions: list[Action]) -> None:
     if state.autostop_s is None or state.stopping:
         return
     unknown = seen.jobs is None or seen.sessions is None
     recovering = any(t.phase != "ok" for t in state.nodes.values())
-    busy = unknown or recovering or bool(seen.sessions) or any(j.keeps_busy for j in seen.jobs or ())
+    working = bool(seen.sessions) or any(j.keeps_busy and j.state != "PENDING" for j in seen.jobs or ())
+    waiting_since = capacity_wait_since(state)
+    if waiting_since is not None and state.capacity_wait_s is not None and not unknown and not working:
+        # A stockout: the jobs pending for the missing node cannot run, and the on-demand master bills
+        # meanwhile. Bounded: after capacity_wait_s of waiting, stop anyway.
+        state.idle_since = None
+        state.autostop_at = waiting_since + state.capacity_wait_s
+        if now >= state.autostop_at:
+            actions[:] = [a for a in actions if a.kind != "start"]
+            _stop_all(state, seen, actions, f"waiting for Spot capacity since {hhmm(waiting_since)}")
+        return
+    busy = unknown or recovering or working or any(j.keeps_busy for j in seen.jobs or ())
     if busy:
         state.idle_since = state.autostop_at = None
         return
@@ -214,14 +238,18 @@ def _autostop(state: State, seen: Seen, now: float, actions: list[Action]) -> No
         state.idle_since = now
     state.autostop_at = state.idle_since + state.autostop_s
     if now >= state.autostop_at:
-        kind = "delete" if state.autostop_action == "delete" else "stop"
-        vms = seen.vms or {}
-        # Workers already stopped (or gone) need no call; a stopped one is still deleted by "delete".
-        skip = ("MISSING",) if kind == "delete" else ("MISSING", "TERMINATED", "STOPPED")
-        running = [w for w in state.workers if w in vms and vms[w].status not in skip]
-        actions.extend(Action(kind, w) for w in running)
-        actions.append(Action(kind, state.master))  # last: the service runs on it
-        state.stopping = True
+        _stop_all(state, seen, actions, f"idle since {hhmm(state.idle_since)}")
+
+
+def _stop_all(state: State, seen: Seen, actions: list[Action], reason: str) -> None:
+    kind = "delete" if state.autostop_action == "delete" else "stop"
+    vms = seen.vms or {}
+    # Workers already stopped (or gone) need no call; a stopped one is still deleted by "delete".
+    skip = ("MISSING",) if kind == "delete" else ("MISSING", "TERMINATED", "STOPPED")
+    running = [w for w in state.workers if w in vms and vms[w].status not in skip]
+    actions.extend(Action(kind, w) for w in running)
+    actions.append(Action(kind, state.master))  # last: the service runs on it
+    state.stopping, state.stop_reason = True, reason
 
 
 # -- outcomes of the actions ----------------------------------------------------------------------------
@@ -264,7 +292,8 @@ def describe(state: State, now: float) -> list[str]:
     """The lines `dtrain jobs`/`status` show under "service:"."""
     lines = []
     if state.stopped or state.stopping:
-        lines.append(f"autostop: {state.autostop_action} of every node {'done' if state.stopped else 'under way'}")
+        why = f" ({state.stop_reason})" if state.stop_reason else ""
+        lines.append(f"autostop: {state.autostop_action} of every node {'done' if state.stopped else 'under way'}{why}")
     if state.status_error:
         since = hhmm(state.status_error_at) if state.status_error_at else "?"
         lines.append(f"status calls failing since {since} ({state.status_error}): nothing is done meanwhile")
@@ -287,8 +316,16 @@ def describe(state: State, now: float) -> list[str]:
         if t.restarts:
             lines.append(f"{name}: {t.restarts} restart(s) after preemption; last: {t.last_action} at "
                          f"{hhmm(t.last_action_at)}")  # fmt: skip
+    waiting_since = capacity_wait_since(state)
     if state.autostop_s is None:
         lines.append("autostop: off")
+    elif waiting_since is not None and state.capacity_wait_s is not None and not state.stopping:
+        at = waiting_since + state.capacity_wait_s
+        lines.append(f"autostop: waiting for Spot capacity since {hhmm(waiting_since)}, autostop in "
+                     f"{_duration(max(0.0, at - now), rounded=True)} (at {hhmm(at)}) unless a job runs or capacity "
+                     f"returns; {state.autostop_action} then")  # fmt: skip
+    elif waiting_since is not None and state.capacity_wait_s is None and not state.stopping:
+        lines.append(f"autostop: waiting for Spot capacity since {hhmm(waiting_since)}; no bound (capacity_wait = off)")
     elif state.autostop_at and not state.stopping:
         since, at = hhmm(state.idle_since or now), hhmm(state.autostop_at)
         lines.append(f"autostop: idle since {since}; {state.autostop_action} at {at}")
@@ -297,6 +334,8 @@ def describe(state: State, now: float) -> list[str]:
     return lines
 
 
-def _duration(seconds: float) -> str:
+def _duration(seconds: float, *, rounded: bool = False) -> str:
     s = int(seconds)
+    if rounded and s >= 60:  # a countdown: whole minutes are precise enough
+        s = (s + 59) // 60 * 60
     return f"{s // 60} min" if s >= 60 and s % 60 == 0 else f"{s} s"

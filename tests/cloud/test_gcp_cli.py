@@ -230,7 +230,7 @@ def test_disabled_apis_are_named_before_anything_is_created(env_for, world, gcs_
     world.disabled_services = set()
     r = dtrain(cwd, env, "preflight", "--cluster", "demo")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "  ok APIs enabled: compute, storage, artifactregistry, iam" in r.stdout.splitlines()
+    assert "  ok APIs enabled: compute, storage, artifactregistry, iam, cloudresourcemanager" in r.stdout.splitlines()
 
 
 EAST = """

@@ -270,7 +270,10 @@ def test_accelerators_and_default_come_from_the_rules():
     assert spec().accelerator == r["default_accelerator"]
     for accelerator in r["accelerators"]:
         assert _py_accepts(use_gpu=True, accelerator=accelerator)
-        assert _tf_accepts(use_gpu=True, accelerator_type=accelerator)
+        # the smallest count an on-demand VM offers (H100: a3-highgpu-1g to -4g are Spot only)
+        a = r["accelerators"][accelerator]
+        count = min(int(n) for n, m in a["default_machine"].items() if m not in a.get("spot_only", []))
+        assert _tf_accepts(use_gpu=True, accelerator_type=accelerator, gpus_per_node=count)
     assert not _py_accepts(use_gpu=True, accelerator="nvidia-tesla-k80")
     assert not _tf_accepts(use_gpu=True, accelerator_type="nvidia-tesla-k80")
     # Terraform's own default ("") is the same accelerator dtrain defaults to.

@@ -33,7 +33,7 @@ def test_g2_price_includes_its_l4s_and_spot_is_discounted():
 
 
 def test_unknown_machine_is_flagged_not_guessed():
-    p = node_price("a3-highgpu-8g", "nvidia-h100-80gb", 8, 0, spot=False)
+    p = node_price("a4-highgpu-8g", "nvidia-b200", 8, 0, spot=False)  # not in the table
     assert not p.known
     assert p.machine == 0.0
 

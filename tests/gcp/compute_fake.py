@@ -30,7 +30,10 @@ DTRAIN_GCP_API_ENDPOINT; their paths do not collide), from the same world:
   - OS Login v1 users.importSshPublicKey / users.getLoginProfile / users.sshPublicKeys.delete, one
     profile per e-mail with a POSIX username derived from it as Google does (dev@example.com ->
     dev_example_com) and keys by SHA-256 fingerprint;
-  - OpenID Connect userinfo (`identity`, the e-mail of whoever calls).
+  - OpenID Connect userinfo (`identity`, the e-mail of whoever calls);
+  - IAM v1 projects.roles create / get / delete / undelete with Google's soft delete: a deleted custom role
+    can be undeleted for ROLE_UNDELETE_DAYS, and its id is refused by a create for ROLE_ID_HELD_DAYS after
+    the delete (7 + 30 days until it is purged); `days_passed` moves the fake's clock on.
 
 Self links use https://www.googleapis.com/compute/v1 as the real API does, whatever the endpoint.
 """
@@ -42,6 +45,7 @@ import itertools
 import json
 import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -58,6 +62,15 @@ ZONE_EXHAUSTED = (
 
 # ----------------------------------------------------------------------------------------------
 # Error bodies, as Compute writes them
+
+
+# IAM's custom-role soft delete (cloud.google.com/iam/docs/creating-custom-roles, "Deleting a custom role";
+# projects.roles.delete): undelete works for 7 days; the role is then purged over 30 days, and its id cannot
+# be used for a new role until 37 days after the delete.
+DAY_S = 86400.0
+ROLE_UNDELETE_DAYS = 7
+ROLE_ID_HELD_DAYS = 37
+ROLE_ID_RE = re.compile(r"[a-zA-Z0-9_.]{3,64}")
 
 
 def error_body(code: int, message: str, reason: str, status: str, details: list | None = None) -> dict:
@@ -246,6 +259,11 @@ class ComputeWorld:
         self.on_start: Any = None  # fn(zone, name), called in a thread of its own once the start is done
         self.on_stop: Any = None  # fn(zone, name), the same once a stop is done (the test crashes the host)
         self.status_failures = 0  # instances list/get answered with a 500 this many times
+        self.roles: dict[str, dict] = {}  # custom role id -> Role JSON (+ "_deleted_at": fake-clock seconds)
+        self.days_passed = 0.0  # added to the fake's clock (IAM's soft-delete windows)
+
+    def now(self) -> float:
+        return time.time() + self.days_passed * DAY_S
 
     # -- links
 
@@ -1032,9 +1050,79 @@ class _Handler(BaseHTTPRequestHandler):
 
     def test_iam_permissions(self, query: dict, project: str) -> dict:
         self._project(project)
+        # testIamPermissions (and every project IAM policy read or write, as Terraform's project grants
+        # make) is a Resource Manager call: refused like any API call while that API is off.
+        if "cloudresourcemanager.googleapis.com" in self.world.disabled_services:
+            raise HttpError(
+                service_disabled(
+                    project, self.world.project_number, "cloudresourcemanager.googleapis.com",
+                    "Cloud Resource Manager API",
+                )
+            )  # fmt: skip
         asked = self.body.get("permissions", [])
         held = [p for p in asked if self.world.granted is None or p in self.world.granted]
         return {"permissions": held} if held else {}
+
+    # -- IAM custom roles
+
+    def _role(self, project: str, role_id: str) -> dict:
+        self._project(project)
+        role = self.world.roles.get(role_id)
+        if role is None:
+            raise HttpError(error_body(404, f"The role named projects/{project}/roles/{role_id} was not found.",
+                                       "notFound", "NOT_FOUND"))  # fmt: skip
+        return role
+
+    @staticmethod
+    def _public(role: dict) -> dict:
+        return {k: v for k, v in role.items() if not k.startswith("_")}
+
+    def create_role(self, query: dict, project: str) -> dict:
+        self._project(project)
+        w, role_id = self.world, self.body.get("roleId", "")
+        if not ROLE_ID_RE.fullmatch(role_id):
+            message = f"The role_id ({role_id}) is not valid: it must match [a-zA-Z0-9_\\.]{{3,64}}."
+            raise HttpError(error_body(400, message, "badRequest", "INVALID_ARGUMENT"))
+        old = w.roles.get(role_id)
+        if old is not None and old.get("deleted"):
+            if w.now() - old["_deleted_at"] < ROLE_ID_HELD_DAYS * DAY_S:
+                raise HttpError(error_body(
+                    400, f"You can't create a role with role_id ({role_id}) where there is an existing role with "
+                    "that role_id in a deleted state.", "failedPrecondition", "FAILED_PRECONDITION"))  # fmt: skip
+            old = None  # purged
+        if old is not None:
+            raise HttpError(error_body(409, f"A role named {role_id} in projects/{project} already exists.",
+                                       "alreadyExists", "ALREADY_EXISTS"))  # fmt: skip
+        body = self.body.get("role", {})
+        w.roles[role_id] = {
+            "name": f"projects/{project}/roles/{role_id}", "title": body.get("title", ""),
+            "includedPermissions": list(body.get("includedPermissions", [])), "stage": "GA", "etag": "BwX=",
+        }  # fmt: skip
+        return self._public(w.roles[role_id])
+
+    def get_role(self, query: dict, project: str, role_id: str) -> dict:
+        role = self._role(project, role_id)
+        if role.get("deleted") and self.world.now() - role["_deleted_at"] >= ROLE_ID_HELD_DAYS * DAY_S:
+            del self.world.roles[role_id]
+            return self._role(project, role_id)
+        return self._public(role)
+
+    def delete_role(self, query: dict, project: str, role_id: str) -> dict:
+        role = self._role(project, role_id)
+        if not role.get("deleted"):
+            role.update(deleted=True, _deleted_at=self.world.now())
+        return self._public(role)
+
+    def undelete_role(self, query: dict, project: str, role_id: str) -> dict:
+        role = self._role(project, role_id)
+        if role.get("deleted"):
+            if self.world.now() - role["_deleted_at"] >= ROLE_UNDELETE_DAYS * DAY_S:
+                raise HttpError(error_body(400, f"Role projects/{project}/roles/{role_id} was deleted more than "
+                                           f"{ROLE_UNDELETE_DAYS} days ago and cannot be undeleted.",
+                                           "failedPrecondition", "FAILED_PRECONDITION"))  # fmt: skip
+            role.pop("deleted")
+            role.pop("_deleted_at")
+        return self._public(role)
 
     def userinfo(self, query: dict) -> dict:
         return {"sub": "1234567890", "email": self.world.identity, "email_verified": True}
@@ -1084,6 +1172,10 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 _API_ROUTES = [
+    (r"/v1/projects/([^/:]+)/roles", "POST", _Handler.create_role),
+    (r"/v1/projects/([^/:]+)/roles/([^/:]+)", "GET", _Handler.get_role),
+    (r"/v1/projects/([^/:]+)/roles/([^/:]+)", "DELETE", _Handler.delete_role),
+    (r"/v1/projects/([^/:]+)/roles/([^/:]+):undelete", "POST", _Handler.undelete_role),
     (r"/v1/projects/([^/]+)/services:batchGet", "GET", _Handler.batch_get_services),
     (r"/v1/projects/([^/:]+):getEffectiveOrgPolicy", "POST", _Handler.effective_org_policy),
     (r"/v1/projects/([^/:]+):testIamPermissions", "POST", _Handler.test_iam_permissions),

@@ -294,3 +294,65 @@ def test_ensure_running_starts_a_stopped_cluster_and_refreshes_its_addresses(
     world.instances[(ZONE, MASTER)]["status"] = "TERMINATED"
     assert lifecycle.ensure_running(cfg, events=Collector(), handle=Handle(), missing_ok=True) is True
     assert world.instances[(ZONE, MASTER)]["status"] == "RUNNING" and len(waited) == 1
+
+
+def test_a_spot_stockout_does_not_keep_the_cluster_up_for_ever(gcp, world, cluster):
+    """A preempted worker that finds no capacity: its job waits (pending), and before this bound the
+    on-demand master billed until capacity came back. After capacity_wait, autostop fires anyway, unless
+    someone is logged in or a job runs; `dtrain status` says when, while it waits."""
+    import time
+
+    work, _ = cluster
+    master = FakeMaster()
+    svc = service(gcp, work, master, autostop="60s", capacity_wait="1h")
+    master.squeue = f"7|RUNNING|None|{MASTER},{WORKER}\n"
+    svc.step()
+    world.mark_preempted(ZONE, WORKER)
+    world.refuse_starts(1000)  # a stockout
+    master.squeue = "7|PENDING|BeginTime|\n"  # requeued: it can run once the worker is back
+    t0 = time.time()
+    assert [a.kind for a in svc.step(now=t0)] == ["start"]
+    since = svc.state.nodes[WORKER].capacity_since
+    assert since is not None and abs(since - t0) < 5
+    lines = json.loads((work / "service" / "state.json").read_text())["lines"]
+    status = [ln for ln in lines if ln.startswith("autostop:")]
+    assert status == [
+        f"autostop: waiting for Spot capacity since {logic.hhmm(since)}, autostop in 60 min "
+        f"(at {logic.hhmm(since + 3600)}) unless a job runs or capacity returns; stop then"
+    ], lines
+    # Half-way: still waiting (and still trying to start it); the pending job alone no longer counts.
+    assert [a.kind for a in svc.step(now=since + 1800)] == ["start"] and not svc.state.stopping
+    # Past the bound with someone logged in: kept up.
+    master.sessions = 1
+    assert [a.kind for a in svc.step(now=since + 3601)] == ["start"] and not svc.state.stopping
+    master.sessions = 0
+    # ...and with nobody: stopped, no new start; the worker is already TERMINATED, so only the master.
+    actions = svc.step(now=since + 3602)
+    assert [(a.kind, a.node) for a in actions] == [("stop", MASTER)]
+    assert world.instances[(ZONE, MASTER)]["status"] == "TERMINATED" and svc.state.stopped
+    reason = f"waiting for Spot capacity since {logic.hhmm(since)}"
+    assert svc.state.stop_reason == reason
+    assert any(e.kind == "autostop" and reason in e.message for e in svc.events.events), svc.events.events
+    lines = json.loads((work / "service" / "state.json").read_text())["lines"]
+    assert f"autostop: stop of every node done ({reason})" in lines, lines
+
+
+def test_a_running_job_keeps_the_cluster_up_through_a_stockout():
+    # The bound is for a cluster that can do nothing; a job still running on other nodes is work.
+    state = logic.State(cluster="demo", zone=ZONE, master=MASTER, workers=[WORKER, "demo-worker-1"],
+                        autostop_s=60.0, capacity_wait_s=3600.0)  # fmt: skip
+    vms = {
+        MASTER: logic.Vm(MASTER, "RUNNING", False),
+        WORKER: logic.Vm(WORKER, "TERMINATED", True),
+        "demo-worker-1": logic.Vm("demo-worker-1", "RUNNING", False),
+    }
+    t = state.track(WORKER)
+    t.phase, t.capacity_since, t.next_try = "waiting-capacity", 1000.0, 1e12  # no start due in this test
+    running = logic.Job("8", "RUNNING", "None", (MASTER, "demo-worker-1"))
+    seen = logic.Seen(vms=vms, jobs=(running,), sessions=0)
+    assert logic.decide(state, seen, 1000.0 + 7200)[0] == [] and not state.stopping
+    # capacity_wait = "off": the old behaviour, wait for ever, and status says so.
+    state.capacity_wait_s = None
+    seen = logic.Seen(vms=vms, jobs=(logic.Job("7", "PENDING", "BeginTime", ()),), sessions=0)
+    assert logic.decide(state, seen, 1000.0 + 86400)[0] == [] and not state.stopping
+    assert any("no bound (capacity_wait = off)" in ln for ln in logic.describe(state, 1000.0 + 86400))

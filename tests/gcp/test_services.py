@@ -51,3 +51,21 @@ def test_no_permission_to_read_them_names_the_role(gcp, world):
         "checking which APIs the project has enabled: permission serviceusage.services.get denied in project "
         "dtrain-test: ask for roles/serviceusage.serviceUsageConsumer"
     )
+
+
+def test_resource_manager_is_required_and_named_before_anything_is_created(gcp, world):
+    # The project IAM grants (infra/iam.tf) and preflight's permission check go through the Resource
+    # Manager API: with it off, the fake refuses testIamPermissions as Google does, and the services
+    # check names the API with the command that enables it.
+    from dtrain.control.gcp.api import missing_permissions
+
+    assert "cloudresourcemanager.googleapis.com" in REQUIRED_SERVICES
+    world.disabled_services = {"cloudresourcemanager.googleapis.com"}
+    with pytest.raises(UserError, match="Cloud Resource Manager API"):
+        missing_permissions(gcp, ["iam.roles.create"])
+    off = disabled_services(gcp, REQUIRED_SERVICES)
+    assert off == ["cloudresourcemanager.googleapis.com"]
+    assert enable_hint(PROJECT, off) == (
+        "Cloud Resource Manager API is not enabled in project dtrain-test: "
+        "gcloud services enable cloudresourcemanager.googleapis.com --project dtrain-test"
+    )

@@ -33,10 +33,11 @@ UNLABELLED = {
     "google_artifact_registry_repository_iam_member",
     "google_project_iam_member",
     "google_project_iam_custom_role",  # roles take no labels; it says its cluster in title and description
+    "terraform_data",  # not a cloud resource: the custom role id's suffix, in the state only
 }
 TAG = "${module.plan.network_tag}"
 IAP_RANGE = "35.235.240.0/20"
-NODE_KEYS = {"name", "role", "internal_ip", "external_ip", "gpus", "accelerator", "machine_type"}
+NODE_KEYS = {"name", "role", "internal_ip", "external_ip", "gpus", "accelerator", "machine_type", "instance_id"}
 RECORD_KEYS = {"name", "project", "region", "zone", "bucket", "registry", "ssh_user", "slurm", "nodes"}
 ROOT_ONLY_VARIABLES = {"force_destroy", "observability_roles", "adopt_bucket", "os_login", "slurm"}
 
@@ -154,12 +155,28 @@ def check_service_role(root: Module, plan: Module) -> None:
         "compute.instances.delete", "compute.instances.get", "compute.instances.list", "compute.instances.start",
         "compute.instances.stop", "compute.zoneOperations.get", "compute.zoneOperations.list",
     ]  # fmt: skip
+    # A deleted role's id is refused for 37 days: the id carries a random suffix drawn once per creation
+    # (kept in the state; a new cluster after `dtrain down` draws a new one), never the name alone.
+    suffix = root.resource("terraform_data", "service_role")
+    assert suffix["input"] == '${substr(replace(uuid(), "-", ""), 0, 8)}', suffix["input"]
+    assert suffix["triggers_replace"] == ["${var.project_id}", "${var.cluster_name}"]
+    assert block(suffix, "lifecycle")["ignore_changes"] == ["input"], "drawn once: a later plan keeps it"
+    role_id = role["role_id"]
+    assert role_id == (
+        '${replace(module.plan.service_account_id, "-", "_")}_service_${terraform_data.service_role.output}'
+    ), role_id
+    # One binding per entry of the plan module's service_conditions (12 names each: IAM's 12-operator limit;
+    # tests/iam.tftest.hcl counts them at 63 workers), each naming the VMs exactly.
     binding = root.resource("google_project_iam_member", "node_service")
+    assert binding["for_each"] == "${module.plan.service_conditions}", binding.get("for_each")
     assert binding["role"] == "${google_project_iam_custom_role.service.name}"
     assert binding["member"] == "serviceAccount:${google_service_account.node.email}"
-    expression = block(binding, "condition")["expression"]
+    assert block(binding, "condition")["expression"] == "${each.value}"
+    assert plan.locals["service_names_per_binding"] == 12
+    expression = plan.locals["service_conditions"]
     assert 'resource.type != \\"compute.googleapis.com/Instance\\"' in expression, expression
-    assert "for name in module.plan.node_names" in expression and 'resource.name == \\"projects/' in expression
+    assert "chunklist(local.node_names, local.service_names_per_binding)" in expression
+    assert 'resource.name == \\"projects/${var.project_id}/zones/${var.zone}/instances/${name}' in expression
     assert "startsWith" not in expression  # a prefix would reach other clusters' VMs (demo -> demo-2)
 
 
@@ -194,8 +211,19 @@ def check_bucket(root: Module, plan: Module) -> None:
     assert root.variables["force_destroy"]["default"] is False
     rules = bucket["lifecycle_rule"]
     noncurrent = [r for r in rules if "days_since_noncurrent_time" in block(r, "condition")]
-    assert len(noncurrent) == 1 and block(noncurrent[0], "action") == {"type": "Delete"}
-    assert block(noncurrent[0], "condition")["days_since_noncurrent_time"] == "${var.bucket_lifecycle_days}"
+    everything = [r for r in noncurrent if "matches_suffix" not in block(r, "condition")]
+    assert len(everything) == 1 and block(everything[0], "action") == {"type": "Delete"}
+    assert block(everything[0], "condition")["days_since_noncurrent_time"] == "${var.bucket_lifecycle_days}"
+    # The appended files' noncurrent copies (one per compose) go after a day; only those, and never a
+    # live object: the rule is on ARCHIVED versions with the appended files' suffixes only.
+    appended = [r for r in noncurrent if "matches_suffix" in block(r, "condition")]
+    assert len(appended) == 1 and block(appended[0], "action") == {"type": "Delete"}, appended
+    condition = block(appended[0], "condition")
+    assert condition["days_since_noncurrent_time"] == 1 and condition["with_state"] == "ARCHIVED", condition
+    assert set(condition["matches_suffix"]) == {"metrics.jsonl", "events.jsonl", ".log"}, condition
+    for rule in rules:  # nothing else may delete: checkpoints and final models are what the bucket is for
+        if block(rule, "action")["type"] == "Delete":
+            assert block(rule, "condition").get("with_state") == "ARCHIVED", rule
     assert bucket["name"] == "${module.plan.bucket_name}"
     # A bucket `dtrain down` kept is imported (adopted) when adopt_bucket, never created again.
     assert root.imports == [
@@ -265,6 +293,7 @@ def test_versions(root: Module):
     google = terraform["required_providers"][0]["google"]
     assert google["source"] == "hashicorp/google"
     assert re.fullmatch(r"~> \d+\.0", google["version"]), "pin the google provider to one major version"
+    assert set(terraform["required_providers"][0]) == {"google"}, "one provider to download (registries vary)"
     assert terraform["backend"] == [{"gcs": {}}], "the backend must be a partial gcs configuration"
 
 
@@ -340,6 +369,18 @@ MUTATIONS = [
     ),
     (
         "storage.tf",
+        'matches_suffix             = ["metrics.jsonl", "events.jsonl", ".log"]',
+        'matches_suffix             = ["metrics.jsonl", "events.jsonl", ".log", ".pt"]',
+        check_bucket,
+    ),
+    (
+        "storage.tf",
+        'days_since_noncurrent_time = 1\n      with_state                 = "ARCHIVED"',
+        'days_since_noncurrent_time = 1\n      with_state                 = "ANY"',
+        check_bucket,
+    ),
+    (
+        "storage.tf",
         'public_access_prevention    = "enforced"',
         'public_access_prevention    = "inherited"',
         check_bucket,
@@ -352,10 +393,16 @@ MUTATIONS = [
     ),  # fmt: skip
     (
         "iam.tf",
-        '[for name in module.plan.node_names : "resource.name == ',
-        '[for name in module.plan.node_names : "resource.name.startsWith(',
+        "expression  = each.value",
+        'expression  = "resource.name.startsWith(\\"projects/\\")"',
         check_service_role,
     ),
+    (
+        "iam.tf",
+        "_service_${terraform_data.service_role.output}",
+        "_service",
+        check_service_role,
+    ),  # the role id fixed by the cluster name again
 ]
 
 

@@ -140,3 +140,25 @@ def real_public_key(where: Path) -> str:
     key = where / "id_ed25519"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "test", "-f", str(key)], check=True)
     return key.with_suffix(".pub").read_text().strip()
+
+
+def test_iam_condition_operator_count_at_63_workers(tmp_path: Path):
+    # tests/iam.tftest.hcl builds the cluster service's conditions for 63 workers and counts their logical
+    # operators (IAM allows 12). With every node in one condition, as iam.tf had it, the count is 64 and
+    # the run fails naming it.
+    work = tmp_path / "plan"
+    shutil.copytree(PLAN, work, ignore=shutil.ignore_patterns(".terraform", ".terraform.lock.hcl"))
+    main = work / "main.tf"
+    text = main.read_text()
+    assert "service_names_per_binding = 12" in text
+    main.write_text(text.replace("service_names_per_binding = 12", "service_names_per_binding = 64"))
+    tf = TerraformCommand(cwd=str(work))
+    assert tf.init(backend=False).retcode == 0
+    result = tf.test(filter=["tests/iam.tftest.hcl"])
+    messages = _messages(result.value)
+    failed = {
+        m["test_run"]["run"] for m in messages if m.get("type") == "test_run" and m["test_run"].get("status") == "fail"
+    }
+    details = " ".join(m["diagnostic"].get("detail", "") for m in messages if "diagnostic" in m)
+    assert result.retcode != 0 and "service_conditions_at_the_worker_limit" in failed, failed
+    assert "more than 12 logical operators: [64]" in details, details

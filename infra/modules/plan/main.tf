@@ -71,6 +71,18 @@ locals {
   node_names = concat(["${var.cluster_name}-master"], [for i in range(var.worker_count) : "${var.cluster_name}-worker-${i}"])
   nodes      = { for i, name in local.node_names : name => { role = i == 0 ? "master" : "worker", index = i } }
 
+  # The cluster service's grant (infra/iam.tf) names this cluster's VMs exactly, one `||` term per
+  # name. An IAM condition may hold at most 12 logical operators (cloud.google.com/iam/docs/
+  # conditions-overview, "Limitations"), so one condition over every node stops at 12 nodes. The
+  # grant is one binding per service_names_per_binding names instead: the type check plus 12 names
+  # is 12 `||`, however many nodes; the most nodes rules.json allows (64) make 6 bindings. A name
+  # prefix would need no split but would also match other clusters' VMs ("demo" -> "demo-2-master").
+  service_names_per_binding = 12
+  service_conditions = { for i, names in chunklist(local.node_names, local.service_names_per_binding) : tostring(i) => join(" || ", concat(
+    ["resource.type != \"compute.googleapis.com/Instance\""],
+    [for name in names : "resource.name == \"projects/${var.project_id}/zones/${var.zone}/instances/${name}\""],
+  )) }
+
   # dtrain's own label wins over a user label of the same key: `dtrain down` sweeps by it.
   labels = merge(var.labels, { "dtrain-cluster" = var.cluster_name })
 }
@@ -91,7 +103,7 @@ resource "terraform_data" "gpu_machine_family" {
   lifecycle {
     precondition {
       condition     = !local.count_ok || local.family_ok
-      error_message = "accelerator ${local.accelerator_type} cannot be attached to ${local.machine_type}: it needs a ${join("/", local.gpu ? local.accelerator.families : [])} machine type (T4 attaches to n1-*, L4 exists only on g2-standard-*)."
+      error_message = "accelerator ${local.accelerator_type} cannot be attached to ${local.machine_type}: it needs a ${join("/", local.gpu ? local.accelerator.families : [])} machine type (T4 and V100 attach to n1-*; L4 exists only on g2-standard-*, A100 on a2-*, H100 on a3-highgpu-*)."
     }
   }
 }
@@ -125,6 +137,18 @@ resource "terraform_data" "gpu_vcpus" {
         local.machine_vcpus <= lookup(local.accelerator.max_vcpus, tostring(var.gpus_per_node), 0)
       )
       error_message = "${local.machine_type} has too many vCPUs for ${var.gpus_per_node} x ${local.accelerator_type} (at most ${try(tostring(local.accelerator.max_vcpus[tostring(var.gpus_per_node)]), "?")})."
+    }
+  }
+}
+
+# a3-highgpu-1g/2g/4g exist only as Spot or flex-start VMs (rules.json's spot_only); an on-demand
+# request for one fails at creation, after the network and bucket are made. Every node must be Spot:
+# the master too (master_spot), since it is on-demand otherwise.
+resource "terraform_data" "gpu_spot_only" {
+  lifecycle {
+    precondition {
+      condition     = !local.gpu || !contains(lookup(local.accelerator, "spot_only", []), local.machine_type) || (var.spot && var.master_spot)
+      error_message = "${local.machine_type} is offered only as a Spot VM: set spot = true and master_spot = true, or take the on-demand type with more GPUs (${join(", ", local.gpu ? [for n, m in local.accelerator.default_machine : m if !contains(lookup(local.accelerator, "spot_only", []), m)] : [])})."
     }
   }
 }

@@ -88,6 +88,11 @@ output "nodes" {
   value       = local.nodes
 }
 
+output "service_conditions" {
+  description = "IAM condition expressions of the cluster service's grant, by binding index: each lets the instance permissions reach at most 12 of this cluster's VMs by exact name, and IAM's 12-operator limit holds."
+  value       = local.service_conditions
+}
+
 output "labels" {
   description = "Labels for every resource that takes labels (var.labels plus dtrain-cluster)."
   value       = local.labels

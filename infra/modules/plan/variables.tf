@@ -56,7 +56,7 @@ variable "use_gpu" {
 
 variable "accelerator_type" {
   type        = string
-  description = "GPU model when use_gpu is true: nvidia-tesla-t4 (on N1) or nvidia-l4 (on G2); \"\" is modules/plan/rules.json's default_accelerator."
+  description = "GPU model when use_gpu is true: nvidia-tesla-t4 or nvidia-tesla-v100 (on N1), nvidia-l4 (G2), nvidia-tesla-a100 or nvidia-a100-80gb (A2), nvidia-h100-80gb (A3); \"\" is modules/plan/rules.json's default_accelerator."
   validation {
     condition     = var.accelerator_type == "" || contains(keys(local.rules.accelerators), var.accelerator_type)
     error_message = "accelerator_type must be \"\" (the default, ${local.rules.default_accelerator}) or one of the models dtrain knows: ${join(", ", keys(local.rules.accelerators))}."
@@ -65,7 +65,7 @@ variable "accelerator_type" {
 
 variable "gpus_per_node" {
   type        = number
-  description = "GPUs per node when use_gpu is true. T4: 1, 2 or 4. L4: 1, 2, 4 or 8 (the G2 machine type fixes the count)."
+  description = "GPUs per node when use_gpu is true: modules/plan/rules.json's allowed_counts (T4: 1, 2 or 4; V100, L4, A100 80GB, H100: 1, 2, 4 or 8; A100 40GB also 16). A2, A3 and G2 machine types fix the count."
   validation {
     condition     = var.gpus_per_node >= 1 && var.gpus_per_node <= 16 && floor(var.gpus_per_node) == var.gpus_per_node
     error_message = "gpus_per_node must be a whole number from 1 to 16."

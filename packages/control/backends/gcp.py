@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from dtrain.common.errors import UserError
 from dtrain.control.backends import where
-from dtrain.control.cluster import Cluster, Node, check_image, check_keys
+from dtrain.control.cluster import Cluster, Node, check_image
 
 if TYPE_CHECKING:
     from dtrain.control.settings import ClusterConfig
@@ -95,7 +95,15 @@ def _install_service(cfg: ClusterConfig, cluster: Cluster, events: Any) -> None:
         w = shlex.quote(cluster.master.workdir)
         workdir = ssh.run(cluster.master, f"mkdir -p {w} && cd {w} && pwd").stdout.decode().strip()
         service_setup.install(
-            ssh, cluster, rec, workdir, gs.autostop, gs.autostop_action, events, stall_after=gs.stall_after
+            ssh,
+            cluster,
+            rec,
+            workdir,
+            gs.autostop,
+            gs.autostop_action,
+            events,
+            stall_after=gs.stall_after,
+            capacity_wait=gs.capacity_wait,
         )
 
 
@@ -110,7 +118,10 @@ class Gcp:
         return frozenset(GCP_KEYS)
 
     def check(self, cfg: ClusterConfig) -> None:
-        check_keys(cfg.spec, set(self.keys), where(cfg))
+        """The whole table, as up/status/preflight read it (values too, not only key names)."""
+        from dtrain.control.gcp.spec import gcp_spec
+
+        gcp_spec(cfg.name, cfg.spec, where(cfg))
 
     def cluster(self, cfg: ClusterConfig) -> Cluster:
         """The nodes `dtrain up` recorded from Terraform's `cluster` output."""

@@ -54,12 +54,15 @@ REST_APIS = {
     "openidconnect": "https://openidconnect.googleapis.com",
 }
 # What every cluster needs enabled before anything is created (infra/: VMs and networks, the
-# checkpoint bucket, the image repository, the nodes' service account and its grants).
+# checkpoint bucket, the image repository, the nodes' service account and its grants). The project-level
+# grants (infra/iam.tf's google_project_iam_member) read and write the project's IAM policy through the
+# Resource Manager API, and preflight's testIamPermissions is a Resource Manager call too.
 REQUIRED_SERVICES = (
     "compute.googleapis.com",
     "storage.googleapis.com",
     "artifactregistry.googleapis.com",
     "iam.googleapis.com",
+    "cloudresourcemanager.googleapis.com",
 )
 
 # Accelerator type (as in --accelerator / the zone's acceleratorTypes) -> regional quota metric.

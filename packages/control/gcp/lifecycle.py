@@ -42,6 +42,7 @@ READY_POLL_S = 10
 # boot. (dtrain.control.ssh.explain words a refusal so; KEY_REFUSED is what it says.)
 KEY_REFUSED_S = 120.0
 KEY_REFUSED = "the SSH login was refused"
+HOST_KEY_CHANGED = "host key CHANGED"  # dtrain.control.ssh.explain's words for ssh's changed-key refusal
 Confirm = Callable[[str], bool]
 
 # The checkpoint bucket is infra/storage.tf's resource named `checkpoints`: forgotten before a destroy
@@ -441,7 +442,11 @@ def up(
             events.warning(f"{z} is out of capacity; trying {rest[0]}")
             zone = rest[0]
 
+    before = rec
     rec = {**tf.output("cluster"), "backend": "gcp", "project": ctx.project}
+    forgotten = forget_replaced_host_keys(cluster_dir(s.name) / "known_hosts", before, rec)
+    if forgotten:
+        events.info(f"new VM(s) {', '.join(forgotten)}: old host keys forgotten, new ones trusted on first contact")
     if login is not None:  # the nodes know the user by the POSIX name OS Login gave, not infra's ssh_user
         rec.update(ssh_user=login.username, os_login=True)
     path = write_record(rec)
@@ -646,6 +651,39 @@ def _checkpoint_bucket(ctx: Context, report: PreflightReport) -> bool:
     return True
 
 
+def forget_replaced_host_keys(known_hosts: Path, before: dict[str, Any] | None, after: dict[str, Any]) -> list[str]:
+    """Drop the known_hosts lines of the nodes Terraform made anew, and return their names.
+
+    A VM that Compute recreates (autostop's "delete" then `dtrain up`, a change of `spot`) boots with a new
+    SSH host key under the same name, and a node without an external IP is reached through IAP by that name:
+    wait_ready's accept-new would refuse the new key as a changed one. A node counts as new when its
+    instance id (Compute's, new for every VM it creates: infra/outputs.tf) differs from the record's before
+    the apply. Only that node's aliases go (its name, and its external IPs before and after); every other
+    line stays, and nothing is dropped when the old record has no instance id to compare (a record from
+    before dtrain kept one). The new key is then trusted on first contact, as a new VM's is."""
+    if not before or not known_hosts.exists():
+        return []
+    old = {n["name"]: n for n in before.get("nodes", [])}
+    aliases: set[str] = set()
+    replaced = []
+    for node in after.get("nodes", []):
+        prev = old.get(node["name"])
+        if not prev or not prev.get("instance_id") or prev["instance_id"] == node.get("instance_id"):
+            continue
+        replaced.append(node["name"])
+        aliases |= {node["name"], prev.get("external_ip", ""), node.get("external_ip", "")} - {""}
+    if not aliases:
+        return []
+    # ssh writes "host[,host...] keytype key" (HashKnownHosts=no, dtrain.control.ssh), "[host]:port" off 22.
+    kept = [
+        line
+        for line in known_hosts.read_text().splitlines(keepends=True)
+        if not {h.split("]:")[0].lstrip("[") for h in (line.split(None, 1) or [""])[0].split(",")} & aliases
+    ]
+    known_hosts.write_text("".join(kept))
+    return replaced
+
+
 def wait_ready(cluster: Cluster, *, timeout: float, events: Events, handle: Handle, refused_hint: str = "") -> None:
     """Until every node answers SSH and its startup script has written READY_FILE with ok, and
     nvidia-smi lists the GPUs on GPU nodes; at most `timeout` seconds, then one line per late node.
@@ -667,6 +705,8 @@ def wait_ready(cluster: Cluster, *, timeout: float, events: Events, handle: Hand
                     events.check(f"ready {node.name}", True)
                     continue
                 pending[node.name] = pending_reason
+                if HOST_KEY_CHANGED in pending_reason:  # it will not change back: no point waiting it out
+                    raise UserError(f"node {node.name}: {pending_reason}", exit_code=ExitCode.FAILURE)
                 if KEY_REFUSED in pending_reason:
                     since = refused_since.setdefault(node.name, time.monotonic())
                     if time.monotonic() - since >= KEY_REFUSED_S:

@@ -37,12 +37,38 @@ MACHINE_HOURLY = {
     "g2-standard-32": 1.734377,
     "g2-standard-48": 4.001665,
     "g2-standard-96": 8.003331,
+    "n1-standard-64": 3.040000,
+    # A2 and A3 machine types include their GPUs (and A2 Ultra / A3 High their bundled local SSD).
+    # Read from the us-central1 "hour" figures of github.com/Cyclenerd/google-cloud-pricing-cost-calculator
+    # pricing.yml (generated 2025-03-06 from Google's Cloud Billing Catalog API): a2-highgpu-1g 3.673385,
+    # -2g 7.34677, a2-ultragpu-8g 40.550383, a3-highgpu-1g 11.061250; the other counts scale linearly
+    # (GPU, vCPUs, memory and SSD all double with the count). a2-megagpu-16g: 16 A100 40GB at 2.933908
+    # (gpus-pricing) plus its 96 vCPUs / 1360 GB at 8.79698 (SkyPilot's GCP catalog, vms.csv).
+    "a2-highgpu-1g": 3.673385,
+    "a2-highgpu-2g": 7.346770,
+    "a2-highgpu-4g": 14.693540,
+    "a2-highgpu-8g": 29.387080,
+    "a2-megagpu-16g": 55.739508,
+    "a2-ultragpu-1g": 5.068798,
+    "a2-ultragpu-2g": 10.137596,
+    "a2-ultragpu-4g": 20.275192,
+    "a2-ultragpu-8g": 40.550383,
+    "a3-highgpu-1g": 11.061250,  # Spot only (rules.json spot_only): the Spot figure is what is billed
+    "a3-highgpu-2g": 22.122500,
+    "a3-highgpu-4g": 44.245000,
+    "a3-highgpu-8g": 88.490000,
 }
+# Machine series whose machine types come with their GPUs, priced in MACHINE_HOURLY (rules.json gives
+# them fixed_counts); GPU_HOURLY is for GPUs attached to N1.
+BUNDLED_GPU_SERIES = ("g2", "a2", "a3")
 # Spot prices move (up to once a month) with discounts of 60-91% off on demand; the estimate takes
 # the smallest discount, so a Spot figure is an upper bound.
 SPOT_FACTOR = 0.40
-# Per GPU-hour for GPUs attached to N1 (G2's are in the machine price above).
-GPU_HOURLY = {"nvidia-tesla-t4": 0.35}
+# Per GPU-hour for GPUs attached to N1 (G2's, A2's and A3's are in the machine price above). V100:
+# $2.48 in us-central1 on cloud.google.com/compute/gpus-pricing; the page itself was not in the stored
+# sources this table was checked against (2025-06), the figure matches every third-party table that
+# quotes it (Kubernetes' cluster-autoscaler GCE price model among them).
+GPU_HOURLY = {"nvidia-tesla-t4": 0.35, "nvidia-tesla-v100": 2.48}
 DISK_GB_MONTH = 0.10  # pd-balanced
 HOURS_PER_MONTH = 730
 
@@ -65,7 +91,7 @@ def node_price(machine_type: str, accelerator: str, gpus: int, disk_gb: int, *, 
     machine = MACHINE_HOURLY.get(machine_type)
     known = machine is not None
     gpu_price = 0.0
-    if gpus and not machine_type.startswith("g2-"):
+    if gpus and machine_type.split("-")[0] not in BUNDLED_GPU_SERIES:
         per = GPU_HOURLY.get(accelerator)
         known = known and per is not None
         gpu_price = (per or 0.0) * gpus * factor
@@ -76,10 +102,21 @@ _VCPU_RE = re.compile(r"-(?:standard|highmem|highcpu|megamem|ultramem|highgpu|ul
 _SHARED_CORE = {"e2-micro": 2, "e2-small": 2, "e2-medium": 2, "f1-micro": 1, "g1-small": 1}
 
 
+# A2/A3 names end in the GPU count ("-1g"), not the vCPUs: vCPUs per GPU, and a2-megagpu-16g's 96.
+_VCPUS_PER_GPU = {"a2-highgpu": 12, "a2-ultragpu": 12, "a3-highgpu": 26}
+_GPU_TYPE_RE = re.compile(r"^([a-z0-9]+-[a-z]+gpu)-(\d+)g$")
+
+
 def vcpus(machine_type: str) -> int | None:
-    """vCPUs of a predefined machine type, from its name (what the CPUS quota counts)."""
+    """vCPUs of a predefined machine type, from its name (what the CPUS or <SERIES>_CPUS quota counts)."""
     if machine_type in _SHARED_CORE:
         return _SHARED_CORE[machine_type]
+    if machine_type == "a2-megagpu-16g":
+        return 96
+    g = _GPU_TYPE_RE.match(machine_type)
+    if g:
+        per = _VCPUS_PER_GPU.get(g.group(1))
+        return per * int(g.group(2)) if per else None
     m = _VCPU_RE.search(machine_type)
     return int(m.group(1)) if m else None
 

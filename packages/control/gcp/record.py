@@ -105,7 +105,7 @@ def validate_record(rec: Any, where: str) -> dict[str, Any]:
             value = node.get(key)
             if not isinstance(value, tp) or isinstance(value, bool):
                 raise UserError(f"{where}: nodes[{i}].{key} is missing or not {_a(tp)}")
-        for key in ("python", "workdir", "interface", "accelerator", "machine_type"):  # optional
+        for key in ("python", "workdir", "interface", "accelerator", "machine_type", "instance_id"):  # optional
             if key in node and not isinstance(node[key], str):
                 raise UserError(f"{where}: nodes[{i}].{key} must be a string")
         if node["role"] not in ("master", "worker"):

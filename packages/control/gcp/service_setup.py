@@ -33,6 +33,7 @@ CONFIG = "/etc/dtrain/service.json"
 UNIT_PATH = "/etc/systemd/system/dtrain-service.service"
 SUDOERS_PATH = "/etc/sudoers.d/dtrain-service"
 PACKAGES = ("common", "control", "service")
+APT_LOCK_WAIT_S = 600  # as infra/node-startup.sh's APT_LOCK_WAIT_S
 REQUIREMENTS = ("google-cloud-compute>=1.19", "google-cloud-storage>=2.18", "google-auth>=2.30")
 
 UNIT = """\
@@ -47,6 +48,8 @@ Environment=PYTHONPATH={root}/code PYTHONUNBUFFERED=1
 ExecStart={root}/venv/bin/python -m dtrain.service --config {config}
 Restart=always
 RestartSec=10
+# Exit 2 is a bad config (one line in the journal): restarting cannot fix it.
+RestartPreventExitStatus=2
 ProtectSystem=strict
 ProtectHome=read-only
 ReadWritePaths={state_dir}
@@ -60,7 +63,13 @@ SUDOERS = "{user} ALL=(root) NOPASSWD: /usr/bin/scontrol update nodename=* state
 
 
 def service_config(
-    cluster: Cluster, rec: dict[str, Any], workdir: str, autostop: str, action: str, stall_after: str = "30m"
+    cluster: Cluster,
+    rec: dict[str, Any],
+    workdir: str,
+    autostop: str,
+    action: str,
+    stall_after: str = "30m",
+    capacity_wait: str = "2h",
 ) -> dict[str, Any]:
     """ServiceConfig's JSON for this cluster (instance names are Slurm's node names on dtrain's clusters)."""
     return {
@@ -71,6 +80,7 @@ def service_config(
         "workers": [n.name for n in cluster.nodes[1:]],
         "autostop": autostop,
         "autostop_action": action,
+        "capacity_wait": capacity_wait,
         "stall_after": stall_after,
         "workdir": workdir,
         "state_file": f"{workdir}/service/state.json",
@@ -104,6 +114,18 @@ def service_archive() -> bytes:
     return buf.getvalue()
 
 
+def apt_install(*packages: str) -> str:
+    """apt-get install that waits up to APT_LOCK_WAIT_S for the dpkg lock instead of failing at once: on a
+    new VM unattended-upgrades holds it for minutes after boot (infra/node-startup.sh waits the same)."""
+    return f"apt-get -o DPkg::Lock::Timeout={APT_LOCK_WAIT_S} install -y -q {shlex.join(packages)}"
+
+
+def make_venv(path: str) -> str:
+    """Shell that creates the venv at `path`; Ubuntu's python3 needs python3-venv (ensurepip) for that."""
+    q = shlex.quote(path)
+    return f"python3 -m venv {q} 2>/dev/null || {{ {apt_install('python3-venv')} >/dev/null && python3 -m venv {q}; }}"
+
+
 def install_script(files: dict[str, str], ssh_user: str, workdir: str, digest: str) -> str:
     """The root shell script that installs or updates the service (the code archive on stdin)."""
     state_dir = str(Path(json.loads(files[CONFIG])["state_file"]).parent)
@@ -126,8 +148,7 @@ else
   cat >/dev/null
 fi
 if [ ! -x {ROOT}/venv/bin/pip ]; then
-  python3 -m venv {ROOT}/venv 2>/dev/null || {{ apt-get install -y -q python3-venv >/dev/null && \
-python3 -m venv {ROOT}/venv; }}
+  {make_venv(f"{ROOT}/venv")}
   {ROOT}/venv/bin/pip install -q {reqs}; changed=1
 fi
 {writes}
@@ -142,9 +163,9 @@ if [ "$changed" = 1 ] || ! systemctl is-active -q dtrain-service; then systemctl
 
 
 def install(ssh: Any, cluster: Cluster, rec: dict[str, Any], workdir: str, autostop: str, action: str,
-            events: Events, stall_after: str = "30m") -> None:  # fmt: skip
+            events: Events, stall_after: str = "30m", capacity_wait: str = "2h") -> None:  # fmt: skip
     """Install or update the service on the master over `ssh` (dtrain.control.ssh.SSH), as root (sudo)."""
-    files = service_files(service_config(cluster, rec, workdir, autostop, action, stall_after))
+    files = service_files(service_config(cluster, rec, workdir, autostop, action, stall_after, capacity_wait))
     archive = service_archive()
     digest = hashlib.sha256(archive).hexdigest()[:12]
     script = install_script(files, cluster.master.user or "root", workdir, digest)

@@ -12,11 +12,12 @@
     spot = false
     master_spot = false                 # with spot = true: the master is Spot too (default: on-demand)
     stall_after = "30m"                 # a running Slurm job whose metrics have not advanced this long is stalled
-    ssh_source_ranges = ["203.0.113.7/32"]   # who may SSH in (required)
+    ssh_source_ranges = ["203.0.113.7/32"]   # who may SSH in (required, unless external_ip = false: IAP only)
     external_ip = true                  # false: internal IPs only, SSH through IAP (needs gcloud)
     os_login = "auto"                   # true / false; auto: as the organisation's policy requires
     autostop = "60m"                    # the cluster service stops an idle cluster ("off": never; docs/service.md)
     autostop_action = "stop"            # or "delete" (the bucket and Terraform's state are kept)
+    capacity_wait = "2h"                # autostop fires anyway once a Spot worker waited this long for capacity
 
 Every key, its type and default is in GCP_FIELDS below; `dtrain config show` lists the table as
 written, and `dtrain up` shows what it resolved to. Derivation (which machine type carries which
@@ -83,6 +84,9 @@ class GcpSpec:
     # "off" or "0": never); "stop" keeps the disks, "delete" deletes the VMs (bucket and state kept).
     autostop: str = "60m"
     autostop_action: str = "stop"
+    # While a Spot worker waits for capacity its jobs cannot run, but the on-demand master bills: autostop
+    # fires anyway after this long ("2h"; "off": wait for ever). A running job or a login still keeps it up.
+    capacity_wait: str = "2h"
     # Launcher keys shared with hosts clusters
     rdzv_port: int = 29400
     rdzv_timeout: int = 120
@@ -108,7 +112,7 @@ GCP_KEYS = set(GCP_FIELDS) | {"backend"}
 _TYPES = typing.get_type_hints(GcpSpec)
 
 
-def autostop_seconds(text: str | int, where: str = "autostop") -> float | None:
+def autostop_seconds(text: str | int, where: str = "autostop", key: str = "autostop") -> float | None:
     """The `autostop` key in seconds: a duration as every cluster-table duration is written ("30m", "90s",
     "2h", "1h30m", or seconds: dtrain.control.cluster.duration); None for "off" or 0 (never). The one
     reading of it: for `dtrain up` (the table) and for the cluster service (its config on the master)."""
@@ -117,7 +121,7 @@ def autostop_seconds(text: str | int, where: str = "autostop") -> float | None:
     value = text if isinstance(text, int) else str(text).strip().lower()
     if value in ("off", "0", 0):
         return None
-    return duration(value, "autostop", where)
+    return duration(value, key, where)
 
 
 def gcp_spec(name: str, spec: Mapping[str, Any], where: str) -> GcpSpec:
@@ -178,6 +182,7 @@ def _check(s: GcpSpec, where: str) -> None:
     if s.autostop_action not in ("stop", "delete"):
         raise UserError(f'{where}: autostop_action must be "stop" or "delete", got {s.autostop_action!r}')
     autostop_seconds(s.autostop, where)
+    autostop_seconds(s.capacity_wait, where, "capacity_wait")
     lo, hi = rules.limits("worker_count")
     if not lo <= s.workers <= hi:
         raise UserError(f"{where}: workers must be {lo}-{hi}, got {s.workers}")
@@ -233,10 +238,13 @@ def tfvars(
     the checkpoint bucket exists (a `dtrain down` kept it) and Terraform imports it. `os_login`: the
     nodes take logins through OS Login (preflight decided, from `s.os_login` and the organisation's
     policy)."""
-    if not s.ssh_source_ranges and not s.allow_ssh_from_anywhere:
+    # Without external IPs dtrain reaches the nodes only through IAP (_check: external_ip = false needs
+    # iap_ssh), whose range the plan module adds itself: no range of the user's is needed then.
+    if not s.ssh_source_ranges and not s.allow_ssh_from_anywhere and s.external_ip:
         raise UserError(
             f"[clusters.{s.name}]: set ssh_source_ranges to the addresses you SSH from, e.g. "
-            'ssh_source_ranges = ["203.0.113.7/32"] (your public address: curl -s https://checkip.amazonaws.com)'
+            'ssh_source_ranges = ["203.0.113.7/32"] (your public address: curl -s https://checkip.amazonaws.com), '
+            "or set external_ip = false to reach the nodes through IAP only"
         )
     return {
         "project_id": project,
@@ -251,7 +259,7 @@ def tfvars(
         "spot": s.spot,
         "master_spot": s.master_spot,
         "disk_size_gb": s.disk_size_gb,
-        "ssh_source_ranges": list(s.ssh_source_ranges) or ["0.0.0.0/0"],
+        "ssh_source_ranges": list(s.ssh_source_ranges) or (["0.0.0.0/0"] if s.external_ip else []),
         "allow_ssh_from_anywhere": s.allow_ssh_from_anywhere,
         "iap_ssh": s.iap_ssh,
         "external_ip": s.external_ip,
