@@ -16,6 +16,7 @@ class ExitCode(enum.IntEnum):
     FAILURE = 1  # runtime failure: a crash, a dead peer, a lost node
     USAGE = 2  # bad flags, config, data or paths: fix the input and run again
     PREEMPTED = 3  # SIGTERM received, a checkpoint was saved: safe to resume
+    HUNG = 4  # no progress for the hang timeout: the node agent stopped the job (retried like a failure)
     INTERRUPTED = 130  # Ctrl-C
 
 

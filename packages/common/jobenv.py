@@ -24,6 +24,9 @@ NNODES = "DTRAIN_NNODES"
 NPROC_PER_NODE = "DTRAIN_NPROC_PER_NODE"
 MASTER_ADDR = "DTRAIN_MASTER_ADDR"
 MASTER_PORT = "DTRAIN_MASTER_PORT"  # a free port on the master, for the job's own rendezvous
+# A node-local directory: each rank's heartbeat, <dir>/rank-<RANK> = "<step> <unix time>", written by
+# dtrain.sdk.log(step=...) at most once a second; the node agent reads it to find hung ranks (docs/hangs.md).
+PROGRESS_DIR = "DTRAIN_PROGRESS_DIR"
 
 ALL = frozenset(
     {
@@ -39,6 +42,7 @@ ALL = frozenset(
         NPROC_PER_NODE,
         MASTER_ADDR,
         MASTER_PORT,
+        PROGRESS_DIR,
     }
 )
 

@@ -40,6 +40,10 @@ from typing import Any
 CONTROL_PREFIX = "\x02dtrain-agent "  # lines the launcher reads instead of printing
 SIGNALS = {"INT": signal.SIGINT, "TERM": signal.SIGTERM, "KILL": signal.SIGKILL}
 DEFAULT_GRACE_S = 45.0
+WATCH_EVERY_S = 1.0  # the ranks' progress is looked at this often (dtrain.common.progress)
+ALIVE_EVERY_S = 5.0  # an "alive" control line this often (at most): the launcher takes a silent agent for hung
+STACKS_WAIT_S = 3.0  # how long the hung ranks get to write their stacks before the job is stopped anyway
+HANG_GRACE_S = 5.0  # a hung job: SIGTERM, then SIGKILL this much later (there is nothing to save)
 
 
 # What `info --cached` keeps between launches: importing torch to learn its version takes a second or more,
@@ -302,6 +306,73 @@ def container_argv(c: dict[str, Any], env_names: list[str], workdir: Path, uid: 
     return [*argv, c["image"], *c["args"]]
 
 
+# Folders of a node's workdir that every job container has (the image's caches and its data mount point).
+CONTAINER_MOUNTS = (("cache", "/cache", "rw"), ("hf-cache", "/hf-cache", "rw"), ("data", "/data", "ro"))
+# A user's program in a container: the agent inside gets its spec through this variable, and has the grace
+# period and then the last copy of the checkpoint directory to make: the agent outside waits this much longer.
+INNER_SPEC_ENV = "DTRAIN_INTERNAL_AGENT_SPEC"
+CONTAINER_FINAL_COPY_S = 30.0
+
+
+def job_container_name(run_id: str, node: str) -> str:
+    """dtrain-<run>-<node>: what the agent (and a person) stops a job's container by."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", f"dtrain-{run_id}-{node}")
+
+
+def run_folder_mount(run_url: str) -> list[list[str]]:
+    """The mount a job container needs for a run kept in a folder (a shared filesystem): the runs' folder at its
+    own path, read-write; none for a bucket's run."""
+    if not run_url or "://" in run_url:
+        return []
+    return [[os.path.dirname(os.path.abspath(run_url)), "", "rw"]]
+
+
+def program_container(
+    inner: dict[str, Any], *, image: str, run_id: str, node: str, docker: list[str], gpus: bool, run_url: str = ""
+) -> dict[str, Any]:
+    """Container mode for a user's program (the SSH launcher's and Slurm's node steps alike): this agent
+    starts `docker run IMAGE python3 -m dtrain.common.nodeagent run --spec-env ...`, and the agent inside runs
+    `inner` (the synced-mode spec) itself: it puts the checkpoint directory back, starts the program, copies
+    the directory with the image's storage client (the node itself may have none), forwards the metrics, and
+    stops the program on the container's SIGTERM (its grace period, then the last copy).
+
+    The run's directory (this agent's cwd, <workdir>/runs/<run id>: the code snapshot in work/, dtrain's synced
+    code, the checkpoint directory) and the image's environments (<workdir>/envs) are mounted at the paths they
+    have on the node, so every path in `inner` (a virtualenv's python included) means the same inside. The
+    job's environment reaches the container by name only (-e NAME), and `inner` travels in one more such
+    variable, so no value is on a command line. The program runs as this agent's user (its files are that
+    user's, not the image's). A run kept in a folder (`run_url` not gs://: a shared filesystem) has that
+    folder's parent, the runs' folder, mounted at its own path too: the agent inside copies checkpoints there."""
+    env = dict(inner.get("env", {}))
+    inner = {**inner, "env": {}}
+    env[INNER_SPEC_ENV] = json.dumps(inner)
+    container = {
+        "image": image,
+        "name": job_container_name(run_id, node),
+        "docker": list(docker),
+        "workdir": "../..",  # the agent runs in <workdir>/runs/<run id>
+        "cwd": f"runs/{run_id}",
+        "mounts": [
+            [f"runs/{run_id}", "", "rw"],
+            ["envs", "", "ro"],
+            *map(list, CONTAINER_MOUNTS),
+            *run_folder_mount(run_url),
+        ],
+        "pythonpath": [f"runs/{run_id}/code"],
+        "user": "host",
+        "gpus": bool(gpus),
+        "entrypoint": "python3",
+        "args": ["-m", "dtrain.common.nodeagent", "run", "--spec-env", INNER_SPEC_ENV],
+    }
+    grace = float(inner.get("grace_s") or DEFAULT_GRACE_S) + CONTAINER_FINAL_COPY_S
+    out = {"argv": None, "env": env, "grace_s": grace, "container": container}
+    if inner.get("ifname_for"):
+        out["ifname_for"] = inner["ifname_for"]
+    return out
+
+
 def prepare_mounts(c: dict[str, Any], workdir: Path, uid: int) -> None:
     """Create the writable mount sources under the workdir; as root, give them to the image's user."""
     owner = None
@@ -422,6 +493,106 @@ def _say(message: str) -> None:
     print(f"dtrain: {message}", flush=True)
 
 
+def _control(event: dict[str, Any]) -> None:
+    print(CONTROL_PREFIX + json.dumps(event), flush=True)
+
+
+class HangWatch:
+    """Hang detection for one job on this node (docs/hangs.md): the ranks' progress directory and stack
+    folder, given to the job through its environment, and the Watcher that reads them. None of it when the
+    spec's hang timeout is 0, or where dtrain.common.progress cannot be imported (an agent copied alone)."""
+
+    def __init__(self, spec: dict[str, Any], env: dict[str, str]) -> None:
+        import tempfile
+
+        from dtrain.common import progress
+
+        opts = spec.get("hang") or {}
+        self.progress = progress
+        # Named after this agent's pid: what an agent killed outright (SIGKILL) left is removed by the next one.
+        tmp = Path(tempfile.gettempdir())
+        for old in tmp.glob("dtrain-progress-*-*"):
+            pid = old.name.split("-")[2]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                shutil.rmtree(old, ignore_errors=True)
+        self.dir = tempfile.mkdtemp(prefix=f"dtrain-progress-{os.getpid()}-")
+        self.stacks = os.path.join(self.dir, "stacks")
+        os.mkdir(self.stacks)
+        env[progress.PROGRESS_DIR], env[progress.STACKS_DIR] = self.dir, self.stacks
+        # sitecustomize (hangdump/) first on the job's path: every Python process of the job dumps its stacks
+        # on SIGUSR1 (and then runs the sitecustomize it would have run).
+        hook = os.path.join(os.path.dirname(os.path.abspath(progress.__file__)), "hangdump")
+        env["PYTHONPATH"] = os.pathsep.join([hook, env["PYTHONPATH"]] if env.get("PYTHONPATH") else [hook])
+        self.watcher = progress.Watcher(self.dir, opts.get("timeout_s"))
+        self.save_to = Path(os.path.expanduser(opts.get("stacks_dir") or "hangs"))
+        self.host = socket.gethostname()
+
+    def dump(self, ranks: list[Any]) -> dict[str, str]:
+        """Each rank's Python stacks (SIGUSR1 to the ranks whose process installed the handler, SIGCONT to a
+        stopped one), as text: rank -> stacks."""
+        files = {}
+        for rk in ranks:
+            path = os.path.join(self.stacks, f"{rk.pid}.txt")
+            if not os.path.exists(path):  # no handler there: SIGUSR1 would kill it
+                continue
+            files[rk.rank] = path
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(rk.pid, signal.SIGUSR1)
+                if rk.state == "T":
+                    os.kill(rk.pid, signal.SIGCONT)  # a stopped process runs the handler once continued
+        deadline = time.monotonic() + STACKS_WAIT_S
+        sizes: dict[str, int] = {}
+        while time.monotonic() < deadline:
+            now = {r: os.path.getsize(p) if os.path.exists(p) else 0 for r, p in files.items()}
+            if all(now.values()) and now == sizes:
+                break  # every file written, and no longer growing
+            sizes = now
+            time.sleep(0.2)
+        out = {}
+        for rk in ranks:
+            text = ""
+            if rk.rank in files:
+                with contextlib.suppress(OSError):
+                    text = Path(files[rk.rank]).read_text(errors="replace")
+            py_spy = shutil.which("py-spy")
+            if py_spy and not text:
+                with contextlib.suppress(OSError, subprocess.SubprocessError):
+                    text = subprocess.run([py_spy, "dump", "--pid", str(rk.pid)], capture_output=True, text=True,
+                                          timeout=20, check=False).stdout  # fmt: skip
+            out[rk.rank] = text or f"(no Python stack: process {rk.pid} did not answer SIGUSR1)\n"
+        return out
+
+    def report(self, hang: Any) -> None:
+        """Save the stuck ranks' stacks, and one line naming the host, the rank, its last step and the file."""
+        rk = hang.rank
+        stacks = self.dump(hang.others)
+        path = self.save_to / f"{self.host}-rank{rk.rank}.txt"
+        with contextlib.suppress(OSError):
+            self.save_to.mkdir(parents=True, exist_ok=True)
+            for r, text in stacks.items():
+                (self.save_to / f"{self.host}-rank{r}.txt").write_text(text)
+        step = "before its first step" if rk.step is None else f"since step {rk.step}"
+        line = (
+            f"dtrain: hang on {self.host} rank {rk.rank}: no progress for {hang.age_s:.0f} s {step}; stacks in {path}"
+        )
+        _control({"event": "hang", "host": self.host, "rank": rk.rank, "step": rk.step, "state": rk.state,
+                  "age_s": round(hang.age_s, 1), "timeout_s": round(hang.timeout_s, 1), "stacks": stacks,
+                  "line": line})  # fmt: skip
+        print(line, flush=True)  # for a launcher that reads no control lines (Slurm's step); the Job drops it
+
+    def timeout(self) -> float:
+        """The longest hang timeout of this node's ranks (the launcher waits that long for a silent agent)."""
+        w = self.watcher
+        return max((w.timeout(rk) for rk in w.ranks.values()), default=w.explicit or self.progress.NO_STEP_TIMEOUT_S)
+
+    def alive(self) -> None:
+        """The line that says this agent still answers (every ALIVE_EVERY_S, or a quarter of the timeout)."""
+        _control({"event": "alive", "timeout_s": round(self.timeout(), 1), "medians": self.watcher.medians()})
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def run(spec_env: str = "") -> int:
     """A job: its spec as one JSON line on stdin, and then control lines on stdin (see the module docstring).
     With `spec_env`, the spec is that environment variable instead and the job is controlled by this
@@ -457,6 +628,10 @@ def run(spec_env: str = "") -> int:
         except Exception as e:  # noqa: BLE001 - one line for the launcher, whatever the store said
             print(f"dtrain: cannot set up the checkpoint directory's copy on {socket.gethostname()}: {e}", flush=True)
             return 1
+    watch = None
+    if (spec.get("hang") or {}).get("timeout_s") != 0:
+        with contextlib.suppress(ImportError):  # an agent copied alone (container mode) watches nothing
+            watch = HangWatch(spec, env)
     try:
         # Not the agent's stdin: that is the launcher's control channel (and, being SSH's socket, it makes a
         # `bash -c` in the job read ~/.bashrc as if sshd had started it).
@@ -468,6 +643,8 @@ def run(spec_env: str = "") -> int:
         print(f"dtrain: cannot start {spec['argv'][0]} on {socket.gethostname()}: {e.strerror or e}", flush=True)
         if files is not None:
             files.close(killed=False)
+        if watch is not None:
+            watch.close()
         return 2
     snapshot.append(proc.pid)
 
@@ -485,13 +662,13 @@ def run(spec_env: str = "") -> int:
                 os.killpg(proc.pid, sig)
         signal_tree(proc.pid, sig, only_root=sig != signal.SIGKILL)
 
-    def stop_within_grace() -> None:
+    def stop_within_grace(grace_s: float = grace) -> None:
         """Stop the job, then make sure: SIGTERM, and SIGKILL to what is left after the grace period."""
         if proc.poll() is None:
             if files is not None:
                 files.stop_requested()
             signal_tree(proc.pid, signal.SIGTERM, only_root=not spec.get("signal_group"))
-            deadline = time.monotonic() + grace
+            deadline = time.monotonic() + grace_s
             while proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.2)
             if proc.poll() is None:
@@ -522,6 +699,31 @@ def run(spec_env: str = "") -> int:
     else:
         threading.Thread(target=watch_stdin, daemon=True).start()
     print(CONTROL_PREFIX + json.dumps({"event": "started", "pid": proc.pid}), flush=True)
+    hung: list[bool] = []
+
+    def watch_progress() -> None:
+        """Every WATCH_EVERY_S: the ranks' progress; a hang is reported and the job stopped (a stopped or
+        deadlocked rank no longer answers SIGTERM: SIGKILL follows soon)."""
+        assert watch is not None
+        alive_at = -ALIVE_EVERY_S
+        while proc.poll() is None:
+            try:
+                hang = watch.watcher.poll(tree(proc.pid))
+            except Exception as e:  # noqa: BLE001 - the watcher must never take the job down with it
+                _say(f"warning: hang detection stopped on {socket.gethostname()}: {e}")
+                return
+            if time.monotonic() - alive_at >= min(ALIVE_EVERY_S, watch.timeout() / 4):
+                alive_at = time.monotonic()
+                watch.alive()
+            if hang is not None and proc.poll() is None:
+                hung.append(True)
+                watch.report(hang)
+                stop_within_grace(HANG_GRACE_S)
+                return
+            time.sleep(WATCH_EVERY_S)
+
+    if watch is not None:
+        threading.Thread(target=watch_progress, name="hang-watch", daemon=True).start()
     while proc.poll() is None:
         snapshot[:] = tree(proc.pid)  # the last view of the job's processes, to sweep at the end
         time.sleep(0.5)
@@ -530,6 +732,10 @@ def run(spec_env: str = "") -> int:
             os.kill(p, signal.SIGKILL)
     if files is not None:
         files.close(killed=bool(killed))  # the last copy of the checkpoint directory: nothing writes to it now
+    if watch is not None:
+        watch.close()
+        if hung:
+            return watch.progress.HUNG_EXIT
     return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
 
 

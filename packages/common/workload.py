@@ -27,8 +27,9 @@ from dtrain.common.errors import ExitCode, Preempted, UserError
 from dtrain.common.metrics import Reporter, print_error, record_event
 from dtrain.common.precision import PrecisionPolicy, device_name, resolve_precision, restore_scaler
 from dtrain.common.preempt import PreemptionPoll, PreemptionWatch
+from dtrain.common.progress import beat
 from dtrain.common.rundir import RUN_ID_RE, config_diff, locate, new_run_id, read_json, run_location, write_json
-from dtrain.common.storage import Store, is_remote, open_store
+from dtrain.common.storage import DiskFull, Store, is_remote, open_store
 
 C = TypeVar("C")
 
@@ -57,7 +58,8 @@ class Context:
 
     def stop_requested(self, step: int) -> bool:
         """True on every rank, at the same step, once any rank got SIGTERM. Call after every step;
-        the ranks agree on it every few steps (PreemptionPoll)."""
+        the ranks agree on it every few steps (PreemptionPoll). Also this rank's heartbeat (hang detection)."""
+        beat(step)
         return self.poll(step)
 
 
@@ -185,20 +187,21 @@ def _open_run(workload: str, cfg: Any, d: Dist, resumed: Store | None) -> tuple[
         if resumed:
             record.setdefault("resumes", []).append({"time": time.time(), "config": cfgmod.flatten(cfg)})
         record["world_size"] = d.world_size
-        write_json(run, "config.json", record)
         peers = [dataclasses.asdict(p) for p in d.peers] or [{"rank": 0, "host": d.env.hostname, "pid": os.getpid()}]
-        write_json(
-            run,
-            "status.json",
-            {
-                "state": "running",
-                "exit_code": None,
-                "updated": time.time(),
-                "pid": os.getpid(),
-                "host": d.env.hostname,
-                "peers": peers,
-            },
-        )
+        status = {"state": "running", "exit_code": None, "updated": time.time(), "pid": os.getpid(),
+                  "host": d.env.hostname, "peers": peers}  # fmt: skip
+        try:
+            write_json(run, "config.json", record)
+            write_json(run, "status.json", status)
+        except DiskFull as e:
+            # One line, as a checkpoint save that fills the disk gives (writes replace files whole:
+            # what was there is intact).
+            then = f"resume again (--resume {run_id})" if resumed else "start again"
+            raise UserError(
+                f"disk full: writing {e.path} needed {e.needed:,} bytes, {e.free:,} were free; the run's files "
+                f"are as they were: free space and {then}",
+                exit_code=ExitCode.FAILURE,
+            ) from None
 
     _on_main_then_share(d, prepare)
     return run, run_id, resumed is not None

@@ -19,6 +19,9 @@ The steps, each failing with a one-line error that names the node:
    TERMINATE sends TERM (the ranks checkpoint and exit PREEMPTED). A node whose job
    fails (or whose SSH connection dies) fails the job: the others get KILL after a short grace, so
    nothing hangs. Torchrun's own restarts (--max-restarts) recover from a crash first.
+8. hangs (docs/hangs.md): an agent that finds a rank without progress sends its stacks, which go to the run's
+   hangs/<node>-rank<r>.txt, with one line and a "hang" event; the job is stopped on every node and counts
+   as failed (ExitCode.HUNG) for the relaunch. An agent silent for its hang timeout counts as a hung node.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ import io
 import json
 import os
 import queue
-import re
 import shlex
 import signal
 import subprocess
@@ -47,7 +49,7 @@ from typing import IO, Any
 
 from dtrain.common.errors import ExitCode, UserError
 from dtrain.common.metrics import PROGRESS_PREFIX
-from dtrain.common.nodeagent import CONTROL_PREFIX
+from dtrain.common.nodeagent import CONTAINER_MOUNTS, CONTROL_PREFIX, job_container_name
 from dtrain.common.storage import Store, is_remote
 from dtrain.control.cluster import Cluster, Node
 from dtrain.control.events import Events, Handle, Stop
@@ -56,6 +58,8 @@ from dtrain.control.ssh import SSH, NodeError, explain
 AGENT = "dtrain.common.nodeagent"
 INT_GRACE_S = 5.0  # Ctrl-C: the job's processes get this long to exit before they are killed
 FAIL_FAST_GRACE_S = 15.0  # a node failed: the others get this long to notice before they are killed
+HANG_GRACE_S = 5.0  # a node reported a hang: the others get SIGTERM, and SIGKILL this much later
+SILENT_FLOOR_S = 30.0  # an agent that printed nothing (not even its "alive" line) this long, at least: hung
 SHUTDOWN_GRACE_S = 45.0  # SIGTERM: workers checkpoint and exit PREEMPTED
 PORT_CHECK_TIMEOUT_S = 5.0
 LOG_SYNC_S = 2.0  # a node's lines reach the run's logs/ at least this often (and at the end)
@@ -66,7 +70,6 @@ DOCKER_CHECK_TIMEOUT_S = 60
 PULL_TIMEOUT_S = 1800  # a multi-GB CUDA image over a slow link
 # Container mode: what each node mounts, relative to its workdir (created by the agent), and where.
 # The job's working directory is its run directory, as in synced mode.
-CONTAINER_MOUNTS = (("cache", "/cache", "rw"), ("hf-cache", "/hf-cache", "rw"), ("data", "/data", "ro"))
 # Workload arguments that may name paths on the nodes: mounted at the same path inside the container.
 PATH_ARGS = {"data_dir": "ro", "data": "ro", "model": "ro", "output": "rw"}
 
@@ -356,6 +359,7 @@ def job_spec(
     gpus: int = 0,
     paths: dict[str, str] | None = None,
     debug: bool = False,
+    hang_timeout: float | None = None,
 ) -> dict[str, Any]:
     """What `nodeagent run` starts on `node`: torchrun for `module`, and the job's environment. With
     cluster.image, torchrun runs in that image (`gpus`: the node's, for --gpus all; `paths`: node paths the
@@ -388,7 +392,7 @@ def job_spec(
         *argv,
     ]  # fmt: skip
     # Without an `interface`, the agent finds the one that holds the node's address (nodeagent.socket_interface).
-    common = {"env": env, "grace_s": SHUTDOWN_GRACE_S, "ifname_for": node.address}
+    common = {"env": env, "grace_s": SHUTDOWN_GRACE_S, "ifname_for": node.address, "hang": hang_spec(hang_timeout)}
     if not cluster.image:
         return {"argv": [node.python, "-m", "dtrain.common.launch", *torchrun], **common}
     named = dict(paths or {})
@@ -408,9 +412,14 @@ def job_spec(
     return {"argv": None, **common, "container": container}
 
 
+def hang_spec(timeout: float | None) -> dict[str, Any]:
+    """The agent's hang detection (dtrain.common.progress): its timeout (None: from the step time, 0: off)."""
+    return {"timeout_s": timeout}
+
+
 def container_name(run_id: str, node: Node) -> str:
     """dtrain-<run>-<node>: what the agent (and a person) stops the job's container by."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "-", f"dtrain-{run_id}-{node.name}")
+    return job_container_name(run_id, node.name)
 
 
 def node_paths(args: dict[str, Any], run_url: str) -> dict[str, str]:
@@ -525,6 +534,11 @@ class Job:
         self.first_failure: tuple[str, int] | None = None
         self.interrupted = False
         self._kill_at = float("inf")
+        self.hang: dict[str, Any] | None = None  # the first hang reported (an agent's event), or a silent agent's
+        self._heard: dict[str, float] = {}  # node -> when its agent last printed a line
+        self._silent_after: dict[str, float] = {}  # node -> its agent's hang timeout, from its "alive" lines
+        self._medians: dict[str, dict[str, float]] = {}  # node -> rank -> median step interval (s)
+        self._stragglers: dict[str, float] = {}  # "<node> rank <r>" -> times slower, as last reported
 
     def run(self) -> int:
         try:
@@ -576,7 +590,9 @@ class Job:
             if name and line is None:
                 open_streams.discard(name)
             elif name:
+                self._heard[name] = time.monotonic()
                 self._show(name, line)
+            self._check_silent(open_streams)
             for n, p in self.procs.items():
                 if n not in self.codes and p.poll() is not None:
                     self.codes[n] = p.returncode
@@ -619,12 +635,91 @@ class Job:
             return int(ExitCode.INTERRUPTED)
         if self.first_failure is not None:
             _name, rc = self.first_failure
-            return rc if rc in (int(ExitCode.USAGE), int(ExitCode.PREEMPTED)) else int(ExitCode.FAILURE)
+            keep = (int(ExitCode.USAGE), int(ExitCode.PREEMPTED), int(ExitCode.HUNG))
+            return rc if rc in keep else int(ExitCode.FAILURE)
         nonzero = [c for c in self.codes.values() if c != 0]
         return nonzero[0] if nonzero else 0
 
     def _say(self, message: str) -> None:
         self.events.info(f"dtrain: {message}")
+
+    def _record(self, kind: str, message: str, **fields: Any) -> None:
+        """A row of the run's events.jsonl (best effort), for an event just emitted."""
+        from dtrain.common.metrics import record_event
+
+        if self.logs is not None:
+            row = {k: v for k, v in fields.items() if k != "step"}
+            record_event(self.logs.run, fields.get("step"), kind, message, **row)
+
+    def _stop_for_hang(self, name: str) -> None:
+        if self.first_failure is None and not self.interrupted:
+            self.first_failure = (name, int(ExitCode.HUNG))
+        self._send("TERM")  # the hung node's agent is stopping its own job; the others wait in a collective
+        self._kill_at = min(self._kill_at, time.monotonic() + HANG_GRACE_S)
+
+    def _on_hang(self, name: str, ev: dict[str, Any]) -> None:
+        """A node's agent found a hung rank: its stacks into the run (hangs/<node>-rank<r>.txt), one line that
+        names them, a "hang" event, and the job stopped everywhere."""
+        if self.hang is not None:
+            return
+        self.hang = {"node": name, **{k: v for k, v in ev.items() if k != "stacks"}}  # "line": the agent's own
+        run = self.logs.run if self.logs is not None else None
+        where = f"the agent's hangs/ on {name}"
+        for rank, text in (ev.get("stacks") or {}).items():
+            if run is not None:
+                with contextlib.suppress(Exception):  # the line must come out, whatever the store says
+                    run.write_bytes(f"hangs/{name}-rank{rank}.txt", str(text).encode())
+                    if str(rank) == str(ev.get("rank")):
+                        where = run.join(f"hangs/{name}-rank{rank}.txt")
+        since = "before its first step" if ev.get("step") is None else f"since step {ev['step']}"
+        line = (
+            f"dtrain: hang on {name} rank {ev.get('rank')}: no progress for {float(ev.get('age_s', 0)):.0f} s "
+            f"{since}; stacks in {where}"
+        )
+        facts = {"node": name, "rank": ev.get("rank"), "step": ev.get("step"), "age_s": ev.get("age_s"),
+                 "timeout_s": ev.get("timeout_s"), "state": ev.get("state"), "stacks": where}  # fmt: skip
+        self.events.emit("hang", line, **facts)
+        self._record("hang", line, **facts)
+        self._stop_for_hang(name)
+
+    def _on_alive(self, name: str, ev: dict[str, Any]) -> None:
+        from dtrain.common.progress import stragglers
+
+        with contextlib.suppress(TypeError, ValueError):
+            self._silent_after[name] = float(ev.get("timeout_s") or 0)
+        medians = ev.get("medians")
+        if not isinstance(medians, dict):
+            return
+        self._medians[name] = {str(r): float(m) for r, m in medians.items()}
+        every = {f"{n} rank {r}": m for n, ms in self._medians.items() for r, m in ms.items()}
+        now = stragglers(every)
+        if set(now) != set(self._stragglers):
+            self._stragglers = now
+            if now:
+                text = ", ".join(f"{k} ({x:.1f}x the others' median step)" for k, x in sorted(now.items()))
+                message = f"dtrain: straggler: {text}"
+            else:
+                message = "dtrain: no straggler any more"
+            self.events.emit("straggler", message, stragglers=now)
+            self._record("straggler", message, stragglers=now)
+
+    def _check_silent(self, open_streams: set[str]) -> None:
+        """A node whose agent printed nothing for its hang timeout (it prints "alive" every few seconds):
+        taken for hung. Only agents that said "alive" once are judged (older agents, and hang detection off)."""
+        if self.hang is not None or self.interrupted or self.first_failure is not None:
+            return
+        now = time.monotonic()
+        for name, after in self._silent_after.items():
+            limit = max(SILENT_FLOOR_S, after)
+            if name in open_streams and after > 0 and now - self._heard.get(name, now) > limit:
+                line = f"dtrain: hang on {name}: its agent has printed nothing for {limit:.0f} s; stopping the job"
+                self.hang = {"node": name, "silent_s": round(now - self._heard[name], 1)}
+                self.events.emit("hang", line, node=name, silent_s=self.hang["silent_s"])
+                self._record("hang", line, node=name, silent_s=self.hang["silent_s"])
+                self._stop_for_hang(name)
+                self.procs[name].kill()  # its SSH connection: the agent does not answer
+                open_streams.discard(name)  # and what it may still print is not waited for
+                return
 
     def report_failure(self, events: Events) -> None:
         """One event naming the node that failed first, its exit code, and its last lines."""
@@ -642,6 +737,12 @@ class Job:
 
     def _show(self, name: str, line: str) -> None:
         if line.startswith(CONTROL_PREFIX):
+            with contextlib.suppress(ValueError):
+                ev = json.loads(line[len(CONTROL_PREFIX) :])
+                if isinstance(ev, dict) and ev.get("event") == "hang":
+                    self._on_hang(name, ev)
+                elif isinstance(ev, dict) and ev.get("event") == "alive":
+                    self._on_alive(name, ev)
             return
         if line.startswith(PROGRESS_PREFIX):
             with contextlib.suppress(ValueError):
@@ -651,6 +752,8 @@ class Job:
             return
         if self.logs is not None:
             self.logs.write(name, line)
+        if self.hang is not None and line == self.hang.get("line"):
+            return  # the agent's hang line, for Slurm's log: the launcher has said it, naming the run's file
         if self.tail_n:
             self.tails.setdefault(name, collections.deque(maxlen=self.tail_n)).append(line)
         if not self.echo:
@@ -675,6 +778,7 @@ def launch_cluster(
     image: str = "",
     oversubscribe: bool = False,
     debug: bool = False,
+    hang_timeout: float | None = None,
 ) -> tuple[int, Store, str]:
     """Run the job on every node; returns (exit code, run directory, run id). `image` (or the cluster's):
     container mode."""
@@ -725,6 +829,7 @@ def launch_cluster(
                         gpus=max(infos[node.name].gpus, node.gpus),
                         paths=node_paths(args, run.url),
                         debug=debug,
+                        hang_timeout=hang_timeout,
                     )
                     for node in cluster.nodes
                 }

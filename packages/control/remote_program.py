@@ -35,7 +35,6 @@ from dtrain.control.cluster import Cluster, Node
 from dtrain.control.events import Events, Handle
 from dtrain.control.local import processes
 from dtrain.control.remote import (
-    CONTAINER_MOUNTS,
     FORWARD_ENV,
     JOB_ENDED,
     SHUTDOWN_GRACE_S,
@@ -45,8 +44,7 @@ from dtrain.control.remote import (
     check_docker,
     check_port,
     code_archive,
-    container_name,
-    docker_command,
+    hang_spec,
     node_infos,
     pull_image,
     run_dir,
@@ -133,22 +131,21 @@ def sync_workdir(
 def ensure_deps(ssh: SSH, t: Target, setup: tuple[str, ...], events: Events, image: str = "") -> dict[str, str]:
     """Each node's Python for the job: a virtualenv with the project's requirements (made once per content
     hash, then reused), or the node's own when there is nothing to install. With `image` (container mode) the
-    virtualenv is made by the image's Python in a container, under envs/image-<image id>/ of the node's
-    workdir, mounted at the same path there and in the job's container; it sees the image's torch."""
+    virtualenv is made by the image's Python in a container (dtrain.common.deps.ensure_in_image), under
+    envs/image-<image id>/ of the node's workdir, mounted at the same path there and in the job's container."""
 
     def one(node: Node) -> dict[str, Any]:
         rd = run_dir(node, t.run_id)
         args = ["--node", node.name]
         for cmd in setup:
             args += ["--setup", cmd]
+        if image:  # built by the image's Python, in a container (dtrain.common.deps.ensure_in_image)
+            args += ["--image", image, "--docker", node.docker]
         # Absolute paths (from the node's $PWD): the interpreter it prints is started from another folder.
-        if image:
-            line = f"cd {shlex.quote(rd)} && " + deps_container_line(node, image, args)
-        else:
-            line = (
-                f'cd {shlex.quote(rd)} && PYTHONPATH="$PWD/code" exec {shlex.quote(node.python)} -m '
-                f'dtrain.common.deps ensure --code-dir "$PWD/work" --envs "$(cd ../.. && pwd)/envs" {shlex.join(args)}'
-            )
+        line = (
+            f'cd {shlex.quote(rd)} && PYTHONPATH="$PWD/code" exec {shlex.quote(node.python)} -m dtrain.common.deps '
+            f'ensure --code-dir "$PWD/work" --envs "$(cd ../.. && pwd)/envs" {shlex.join(args)}'
+        )
         p = ssh.run(node, line, timeout=DEPS_TIMEOUT_S, check=False)
         if p.returncode != 0:
             err = p.stderr.decode(errors="replace").strip().splitlines()
@@ -166,21 +163,6 @@ def ensure_deps(ssh: SSH, t: Target, setup: tuple[str, ...], events: Events, ima
     return {n: str(r["python"]) for n, r in results.items()}
 
 
-def deps_container_line(node: Node, image: str, args: list[str]) -> str:
-    """The shell line (run in the node's run directory) that makes or reuses the job's environment with the
-    image's Python: a throwaway container as the SSH user, the run directory and the image's envs folder
-    mounted at their own paths, dtrain's synced code first on PYTHONPATH (an older image may lack deps)."""
-    inspect = docker_command(node, "image", "inspect", "--format", "{{.Id}}", image)
-    run = docker_command(node, "run", "--rm", "--network", "host", "--entrypoint", "python3")
-    return (
-        f'base="$(cd ../.. && pwd)" && iid="$({inspect} | sed "s/^sha256://" | cut -c1-12)" && '
-        f'envs="$base/envs/image-$iid" && mkdir -p "$envs" && '
-        f'exec {run} --user "$(id -u):$(id -g)" -e HOME=/tmp -e PYTHONPATH="$PWD/code" '
-        f'-v "$PWD:$PWD:rw" -v "$envs:$envs:rw" -w "$PWD" {shlex.quote(image)} -m dtrain.common.deps ensure '
-        f'--code-dir "$PWD/work" --envs "$envs" {shlex.join(args)}'
-    )
-
-
 def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
     """Run the program of `plan` (a launchers.Plan) on every node of its cluster; returns the job's exit code."""
     import dataclasses
@@ -193,11 +175,7 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
             f"a run on {len(cluster.nodes)} nodes needs --output that every node reaches: a gs://bucket/prefix "
             f"(or set shared_fs = true in [clusters.{cluster.name}] if it is a shared filesystem)"
         )
-    if plan.image:
-        from dtrain.control.cluster import check_image
-
-        cluster = dataclasses.replace(cluster, image=check_image(plan.image, "--image"))
-    image = cluster.image
+    image = cluster.image  # container mode (--image is the cluster's by now: userjob.program_plan)
     exclude = sync_excludes(job, t.run.url)
     archive, digest = code_archive()  # in container mode too: the agent inside, the SDK and the mirror
     logs = LogFiles(t.run_id, t.run)
@@ -376,45 +354,19 @@ def program_spec(
         "files": files,
         "signal_group": not torchrun,
         "path_prepend": path_prepend,
+        "hang": hang_spec(getattr(req, "hang_timeout", None)),
     }
-    return container_spec(spec, cluster.image, t.run_id, node, gpus) if cluster.image else spec
+    return container_spec(spec, cluster.image, t.run_id, node, gpus, t.run.url) if cluster.image else spec
 
 
-# The agent in a container has the grace period, then the last copy of the checkpoint directory to make: the
-# agent outside waits this much longer before it kills the container.
-CONTAINER_FINAL_COPY_S = 30.0
-INNER_SPEC_ENV = "DTRAIN_INTERNAL_AGENT_SPEC"
+def container_spec(
+    inner: dict[str, Any], image: str, run_id: str, node: Node, gpus: int, run_url: str = ""
+) -> dict[str, Any]:
+    """Container mode for a user's program on `node`: dtrain.common.nodeagent.program_container."""
+    from dtrain.common.nodeagent import program_container
 
-
-def container_spec(inner: dict[str, Any], image: str, run_id: str, node: Node, gpus: int) -> dict[str, Any]:
-    """Container mode for a user's program: the node's agent starts `docker run IMAGE python3 -m
-    dtrain.common.nodeagent run --spec-env ...`, and that agent, inside, runs `inner` as in synced mode: it puts
-    the checkpoint directory back, starts the program, copies the directory with the image's storage client
-    (the node itself may have none), forwards the metrics, and stops the program on the container's SIGTERM.
-
-    The run directory (the code snapshot in work/, the synced dtrain code, the checkpoint directory) and the
-    image's environments are mounted at the same paths they have on the node, so every path in `inner` (the
-    virtualenv's python included) means the same inside. The job's environment reaches the container by name
-    only (-e NAME), and `inner` itself travels in one more such variable, so no value is on a command line.
-    The program runs as the SSH user, and its files on the node are that user's."""
-    env = dict(inner["env"])
-    inner = {**inner, "env": {}}
-    env[INNER_SPEC_ENV] = json.dumps(inner)
-    container = {
-        "image": image,
-        "name": container_name(run_id, node),
-        "docker": shlex.split(node.docker),
-        "workdir": "../..",  # the agent runs in <workdir>/runs/<run id>
-        "cwd": f"runs/{run_id}",
-        "mounts": [[f"runs/{run_id}", "", "rw"], ["envs", "", "ro"], *map(list, CONTAINER_MOUNTS)],
-        "pythonpath": [f"runs/{run_id}/code"],
-        "user": "host",
-        "gpus": gpus > 0,
-        "entrypoint": "python3",
-        "args": ["-m", "dtrain.common.nodeagent", "run", "--spec-env", INNER_SPEC_ENV],
-    }
-    grace = float(inner.get("grace_s") or SHUTDOWN_GRACE_S) + CONTAINER_FINAL_COPY_S
-    return {"argv": None, "env": env, "grace_s": grace, "ifname_for": node.address, "container": container}
+    return program_container(inner, image=image, run_id=run_id, node=node.name, docker=shlex.split(node.docker),
+                             gpus=gpus > 0, run_url=run_url)  # fmt: skip
 
 
 __all__ = ["launch_program_cluster", "program_spec", "project_key", "SHUTDOWN_GRACE_S"]

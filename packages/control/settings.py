@@ -24,6 +24,7 @@ import difflib
 import enum
 import importlib
 import json
+import logging
 import os
 import re
 import sys
@@ -102,7 +103,10 @@ def _add_entry_points() -> None:
         try:
             b = ep.load()
         except Exception as e:  # noqa: BLE001 - a broken plug-in must not break dtrain
-            print(f"dtrain: warning: entry point {ep.name} ({ep.value}) does not load: {e}", file=sys.stderr)
+            # logging, not print: control/ leaves the terminal to its caller (Python's last-resort
+            # handler shows it on stderr where the caller has set up no logging)
+            logging.getLogger(__name__).warning("dtrain: warning: entry point %s (%s) does not load: %s", ep.name,
+                                                ep.value, e)  # fmt: skip
             continue
         if isinstance(b, Builtin):
             WORKLOADS[ep.name] = b
@@ -124,11 +128,21 @@ class LaunchConfig:
     nproc: int = opt(0, "processes per node (0: auto: one per GPU; without GPUs, 2 if there are 2+ cores)")
     cluster: str = opt("", "name of a [clusters.NAME] table in dtrain.toml (empty: this machine)")
     max_restarts: int = opt(0, "times torchrun restarts failed workers before giving up (--max-restarts)")
+    hang_timeout: float = opt(
+        -1.0, "seconds without progress before a hung job is stopped (-1: from its step time, 0: off; docs/hangs.md)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("nproc", "max_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.hang_timeout < 0 and self.hang_timeout != -1:
+            raise ValueError(f"hang_timeout: must be >= 0 (0: off) or -1 (automatic), got {self.hang_timeout}")
+
+    @property
+    def hang_timeout_s(self) -> float | None:
+        """For the node agents' spec: None (automatic), 0 (off) or seconds."""
+        return None if self.hang_timeout < 0 else self.hang_timeout
 
 
 # The backends' names as a choice type, so `backend = "aws"` is refused like any other bad choice.

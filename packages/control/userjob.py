@@ -195,15 +195,14 @@ def program_plan(req: ProgramRequest) -> Any:
     settings = load_settings(req.config_path, req.flags)
     cfg = get_cluster(settings)
     cluster = backends.get(cfg.backend).cluster(cfg)
-    in_image = req.image or cluster.image or cluster.needs_image
-    if in_image and launchers.over_ssh(cluster) and not launchers.get(cluster.launcher).images:
-        # Refused before any node is reached (a Slurm cluster's login node included).
-        why = "--image" if req.image else f"cluster {cluster.name!r} runs jobs in a container image"
-        raise UserError(
-            f"{why}: your own program in a container image is not supported on Slurm yet; run it on a hosts "
-            "or gcp cluster without Slurm, or on a Slurm cluster whose nodes have Python and torch (no --image)"
-        )
-    if cluster.needs_image and not (req.image or cluster.image):
+    if req.image:  # container mode on every launcher that has nodes (here.py refuses it)
+        from dtrain.control.cluster import check_image
+
+        cluster = dataclasses.replace(cluster, image=check_image(req.image, "--image"))
+    if job.time and cluster.slurm is None:  # as for a built-in (dtrain.control.launch)
+        where = f"cluster {cluster.name}" if launchers.over_ssh(cluster) else "this machine"
+        raise UserError(f"--time is a Slurm job's time limit: {where} has no Slurm")
+    if cluster.needs_image and not cluster.image:
         raise UserError(
             f"cluster {cluster.name!r} runs jobs in a container image and has none: run dtrain build --cluster "
             f'{cluster.name}, or set image = "..." in [clusters.{cluster.name}], or pass --image'
@@ -224,6 +223,7 @@ def program_plan(req: ProgramRequest) -> Any:
         cluster=cluster,
         nproc=settings.launch.nproc,
         max_restarts=settings.launch.max_restarts,
+        hang_timeout=settings.launch.hang_timeout_s,
         image=req.image,
         accept_new_host_keys=req.accept_new_host_keys,
         oversubscribe=req.oversubscribe,

@@ -7,7 +7,7 @@
     sdk.install_sigterm_flag()  # SIGTERM no longer kills: stop_requested() turns True instead
     for step in range(state["step"], total_steps):
         loss = train_step(model, next(batches))
-        sdk.log(step, loss=loss, lr=scheduler.get_last_lr()[0])  # rank 0 only; tensors are fine
+        sdk.log(step, loss=loss, lr=scheduler.get_last_lr()[0])  # metrics from rank 0; a heartbeat on every rank
         if sdk.stop_requested():  # preemption notice, `dtrain cancel`, SIGTERM
             if sdk.is_main_process():
                 torch.save({"step": step + 1, "model": model.state_dict()}, ckpt)
@@ -47,11 +47,13 @@ __all__ = [
 # stop_requested() looks at the stop file at most this often, so calling it every step costs nothing.
 STOP_CHECK_EVERY_S = 0.5
 DEFAULT_CHECKPOINT_DIR = "checkpoints"
+BEAT_EVERY_S = 1.0  # the heartbeat file is rewritten at most this often
 
 _warned_io = False
 _sigterm_received = False
 _stop_seen = False
 _stop_checked_at = -math.inf
+_beat_at = -math.inf
 
 
 def in_dtrain() -> bool:
@@ -81,11 +83,15 @@ def is_main_process() -> bool:
 
 def log(step: int | None = None, **metrics: SupportsFloat) -> None:
     """Appends `{"step": step, "time": <unix time>, **metrics}` as one JSON line to the run's metrics,
-    on the main process only; does nothing outside dtrain.
+    on the main process only; does nothing outside dtrain. With a step, on every rank, it is also the
+    rank's heartbeat: dtrain takes a rank whose step stops moving for the hang timeout for hung
+    (docs/hangs.md), so call it on every rank, every step or every few.
 
     Values are numbers: Python numbers, numpy scalars or 0-d tensors (anything float() takes).
     A non-finite value (NaN, inf) is written as null. A value that is not a number raises ValueError;
     a failed write warns once on stderr and never raises."""
+    if step is not None:
+        _beat(int(step))
     path = os.environ.get(jobenv.METRICS_FILE)
     if not path or not is_main_process():
         return
@@ -138,6 +144,24 @@ def install_sigterm_flag() -> None:
             previous(signum, frame)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _beat(step: int) -> None:
+    """This rank's heartbeat file, rewritten at most once a second (dtrain.common.progress.Heartbeat's format,
+    repeated here: the SDK imports nothing but the names of dtrain's variables)."""
+    global _beat_at
+    directory = os.environ.get(jobenv.PROGRESS_DIR)
+    now = time.monotonic()
+    if not directory or now - _beat_at < BEAT_EVERY_S:
+        return
+    _beat_at = now
+    path = os.path.join(directory, f"rank-{os.environ.get('RANK') or '0'}")
+    try:
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(f"{step} {time.time():.3f}\n")
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # a heartbeat must never stop training
 
 
 def _number(name: str, value: SupportsFloat) -> float | int | None:

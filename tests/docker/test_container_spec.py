@@ -119,10 +119,11 @@ def test_a_users_program_in_container_mode(tmp_path: Path, monkeypatch: pytest.M
     environments are mounted at their own paths, and the program runs as the node's user."""
     import json
 
+    from dtrain.common.nodeagent import INNER_SPEC_ENV
     from dtrain.common.storage import open_store
     from dtrain.control import launchers
     from dtrain.control.program import Job, Program
-    from dtrain.control.remote_program import INNER_SPEC_ENV, program_spec
+    from dtrain.control.remote_program import program_spec
     from dtrain.control.userjob import Target
 
     monkeypatch.setenv("HF_TOKEN", "hf_secret_value")

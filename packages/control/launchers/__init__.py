@@ -45,6 +45,7 @@ class Plan:
     cluster: Cluster
     nproc: int = 0  # processes per node for torchrun (0: one per GPU, or 2 on CPU)
     max_restarts: int = 0
+    hang_timeout: float | None = None  # the node agents' hang timeout: None from the step time, 0 off (docs/hangs.md)
     image: str = ""  # container mode: run in this image on every node
     accept_new_host_keys: bool = False
     oversubscribe: bool = False
@@ -58,7 +59,6 @@ class Plan:
 class Launcher(Protocol):
     name: str  # the Cluster.launcher value it serves
     over_ssh: bool  # its nodes are reached over SSH (doctor, gpus, exec and the dashboard's node view ask)
-    images: bool  # it runs a user's program in a container image (--image, a cluster's image)
 
     def launch(self, plan: Plan, *, events: Events, handle: Handle) -> LaunchResult:
         """prepare, sync, execute (stop through `handle`), collect; the run and the job's exit code (ExitCode)."""

@@ -16,7 +16,6 @@ from dtrain.control.launchers import Plan
 class Here:
     name = "local"
     over_ssh = False
-    images = False
 
     def launch(self, plan: Plan, *, events: Events, handle: Handle) -> LaunchResult:
         if plan.image:

@@ -16,7 +16,6 @@ from dtrain.control.launchers import Plan
 class OnSlurm:
     name = "slurm"
     over_ssh = True  # the login node and the nodes are reached over SSH
-    images = False
 
     def launch(self, plan: Plan, *, events: Events, handle: Handle) -> LaunchResult:
         if plan.builtin is None:  # a user's program: its code, requirements and checkpoints as a job's own

@@ -19,7 +19,6 @@ from dtrain.control.launchers import Plan
 class OverSSH:
     name = "ssh"
     over_ssh = True
-    images = True
 
     def launch(self, plan: Plan, *, events: Events, handle: Handle) -> LaunchResult:
         if plan.builtin is None:
@@ -38,6 +37,7 @@ class OverSSH:
             cluster=plan.cluster,
             nproc=plan.nproc,
             max_restarts=plan.max_restarts,
+            hang_timeout=plan.hang_timeout,
             output=r.output,
             resumed=r.resumed,
             accept_new_host_keys=plan.accept_new_host_keys,
