@@ -55,6 +55,7 @@ def _submit(workload: str, flags: dict[str, Any], given: dict[str, Any]) -> None
     from dtrain.control.events import Events
     from dtrain.control.launch import LaunchRequest
     from dtrain.control.slurm.jobs import submit
+    from dtrain.control.slurm.spec import check_time
 
     request = LaunchRequest(
         workload=workload,
@@ -64,6 +65,7 @@ def _submit(workload: str, flags: dict[str, Any], given: dict[str, Any]) -> None
         accept_new_host_keys=given["accept_new_host_keys"],
         oversubscribe=given["oversubscribe"],
         debug=console.state.debug,
+        time=check_time(given["time"], "--time") if given["time"] else "",
     )
     # stdout carries the job id alone (for scripts): what submit reports goes to stderr.
     events = Events(lambda ev: console.err.print(ev.message, markup=False, highlight=False) if ev.message else None)
@@ -136,36 +138,13 @@ def jobs(
         console.out.print(f"no jobs on cluster {c.name}" + ("" if all_jobs else " (--all: ended ones too)"))
         print_service(c, accept_new_host_keys)
         return
-    from rich.table import Table
+    import shutil
 
-    table = Table(title=f"jobs on cluster {c.name}", title_justify="left")
-    columns = ("job", "name", "workload", "state", "nodes", "submitted", "started", "duration", "node-hours", "$ est.")
-    for col in (*columns, "run", "restarts"):
-        table.add_column(col, no_wrap=col in ("job", "state", "run"))
-    table.add_column("last metric")
-    for r in rows:
-        state = r["state"] + (f" ({r['reason']})" if r["reason"] and r["state"] == "PENDING" else "")
-        state += f" (exit {r['exit_code']})" if r["exit_code"] not in (None, 0) else ""
-        colour = _colour(r["state"])
-        if r["stalled"]:  # running, but its metrics have not advanced for the cluster's stall_after
-            state, colour = f"stalled since {r['stalled_since'].replace('T', ' ')} ({state})", "red"
-        table.add_row(
-            r["job_id"],
-            r["name"],
-            r["workload"],
-            f"[{colour}]{console.escape(state)}[/]",
-            str(r["nodes"]),
-            r["submitted"] or "-",
-            r["started"] or "-",
-            r["duration"] or "-",
-            f"{r['node_hours']:.2f}",
-            "-" if r["usd"] is None else f"{r['usd']:.2f}",
-            r["run_id"],
-            str(r["restarts"]),
-            _metric(r["last_metric"]),
-        )
+    table, hidden = jobs_table(rows, c.name, shutil.get_terminal_size((80, 24)).columns)
     console.out.print(table)
-    if any(r["usd"] is not None for r in rows):
+    if hidden:
+        console.out.print(f"[dim]not shown at this width: {', '.join(hidden)} (a wider terminal, or --json)[/]")
+    if "$ est." not in hidden and any(r["usd"] is not None for r in rows):
         from dtrain.control.gcp.prices import PRICES_AS_OF, PRICES_REGION, PRICES_SOURCE
 
         console.out.print(
@@ -185,6 +164,67 @@ def print_service(cluster: Any, accept_new_host_keys: bool = False) -> None:
     console.out.print("service:", highlight=False)
     for line in state["lines"]:
         console.out.print(f"  {line}", highlight=False, markup=False)
+
+
+# `dtrain jobs`' columns in the order shown, and the order they are given up when the terminal is too narrow
+# for all (as squeue's and `sky status`' default views keep a few): job, state and run always stay.
+JOB_COLUMNS = ("job", "name", "workload", "state", "nodes", "submitted", "started", "duration", "node-hours",
+               "$ est.", "run", "restarts", "last metric")  # fmt: skip
+KEPT = ("job", "state", "run")
+BY_PRIORITY = ("duration", "last metric", "nodes", "name", "restarts", "started", "workload", "$ est.", "node-hours",
+               "submitted")  # fmt: skip
+
+
+def _cells(r: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """Each column's (plain text, rich markup) for one job."""
+    state = r["state"] + (f" ({r['reason']})" if r["reason"] and r["state"] == "PENDING" else "")
+    state += f" (exit {r['exit_code']})" if r["exit_code"] not in (None, 0) else ""
+    if r.get("time_limit"):  # requeued at its time limit to continue its run: "continuing (time limit, 2)"
+        state = f"{r['time_limit']}" + (f" ({state})" if r["state"] not in ("COMPLETED", "RUNNING") else "")
+    colour = _colour(r["state"])
+    if r["stalled"]:  # running, but its metrics have not advanced for the cluster's stall_after
+        state, colour = f"stalled since {r['stalled_since'].replace('T', ' ')} ({state})", "red"
+    plain = {
+        "job": r["job_id"], "name": r["name"], "workload": r["workload"], "state": state, "nodes": str(r["nodes"]),
+        "submitted": _short_time(r["submitted"]), "started": _short_time(r["started"]),
+        "duration": r["duration"] or "-",
+        "node-hours": f"{r['node_hours']:.2f}", "$ est.": "-" if r["usd"] is None else f"{r['usd']:.2f}",
+        "run": r["run_id"], "restarts": str(r["restarts"]), "last metric": _metric(r["last_metric"]),
+    }  # fmt: skip
+    return {
+        k: (v, f"[{colour}]{console.escape(v)}[/]" if k == "state" else console.escape(v)) for k, v in plain.items()
+    }
+
+
+def _short_time(text: str) -> str:
+    """ "2026-11-25T16:02:11" as "11-25 16:02" (--json has the full time); "-" for none."""
+    if len(text) >= 16 and text[4] == "-" and text[10] == "T":
+        return f"{text[5:10]} {text[11:16]}"
+    return text or "-"
+
+
+def jobs_table(rows: list[dict[str, Any]], cluster: str, width: int) -> tuple[Any, list[str]]:
+    """The table for `width` columns of terminal, and the names of the columns left out to fit."""
+    from rich.table import Table
+
+    cells = [_cells(r) for r in rows]
+
+    def cost(col: str) -> int:  # its widest cell or header, its padding (1 each side) and a border
+        return max(len(col), *(len(c[col][0]) for c in cells)) + 3
+
+    used = 1 + sum(cost(col) for col in KEPT)
+    shown = set(KEPT)
+    for col in BY_PRIORITY:
+        if used + cost(col) <= width:
+            shown.add(col)
+            used += cost(col)
+    table = Table(title=f"jobs on cluster {cluster}", title_justify="left")
+    columns = [col for col in JOB_COLUMNS if col in shown]
+    for col in columns:
+        table.add_column(col, no_wrap=col != "last metric")
+    for c in cells:
+        table.add_row(*(c[col][1] for col in columns))
+    return table, [col for col in JOB_COLUMNS if col not in shown]
 
 
 def _colour(state: str) -> str:

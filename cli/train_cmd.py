@@ -39,8 +39,9 @@ app = typer.Typer(
         "Train: your own script (dtrain train train.py [ARGS]), a module (-m pkg.train), a [jobs.NAME] table "
         "(dtrain train NAME), any command once per node (dtrain train -- CMD ...), or a built-in example below. "
         "Options: --cluster NAME, --nodes N, --nproc N, --output DIR|gs://..., --resume RUN, --run-id ID, "
-        "--max-restarts N, --workdir DIR, --setup CMD, --env NAME=VALUE, --checkpoint-dir DIR, --code-limit MB, "
-        "--image IMAGE, --accept-new-host-keys, --oversubscribe (docs/user-code.md)."
+        "--max-restarts N, --hang-timeout S, --time LIMIT (Slurm), --workdir DIR, --setup CMD, --env NAME=VALUE, "
+        "--checkpoint-dir DIR, "
+        "--code-limit MB, --image IMAGE, --accept-new-host-keys, --oversubscribe (docs/user-code.md)."
     ),
     no_args_is_help=True,
 )
@@ -50,7 +51,12 @@ LAUNCH_ONLY = {
     "accept_new_host_keys": (o.AcceptNewHostKeys, False),
     "image": (o.Image, None),
     "oversubscribe": (o.Oversubscribe, False),
-}
+    "time": (
+        Annotated[str | None, typer.Option("--time", help="a Slurm job's time limit (minutes, HH:MM:SS, "
+                  "D-HH:MM:SS): at it the job checkpoints and continues (Slurm clusters)", show_default=False)],
+        None,
+    ),
+}  # fmt: skip
 
 
 def _option(key: Any) -> Any:
@@ -116,6 +122,7 @@ def _register(workload: str) -> None:
             accept_new_host_keys=given["accept_new_host_keys"],
             image=given["image"] or "",
             oversubscribe=given["oversubscribe"],
+            time=given["time"] or "",
         )
 
     app.command(workload)(workload_command(workload, train, {}))
@@ -128,10 +135,12 @@ def launch(
     accept_new_host_keys: bool = False,
     image: str = "",
     oversubscribe: bool = False,
+    time: str = "",
 ) -> int:
     """Run `workload` where the settings say; report where the run went; return the job's exit code."""
     from dtrain.control.launch import LaunchRequest, next_step
     from dtrain.control.launch import launch as control_launch
+    from dtrain.control.slurm.spec import check_time
 
     request = LaunchRequest(
         workload=workload,
@@ -140,6 +149,7 @@ def launch(
         image=image,
         accept_new_host_keys=accept_new_host_keys,
         oversubscribe=oversubscribe,
+        time=check_time(time, "--time") if time else "",
         tty=sys.stdout.isatty(),
         debug=console.state.debug,
     )

@@ -13,8 +13,10 @@ jobs on one node build it once). An environment without its marker is a build th
 it is removed and built again.
 
 Standard library only: the node agent runs this on nodes before anything else is installed.
-Command line: `python -m dtrain.common.deps ensure --code-dir D --envs E [--setup CMD]... [--node N]`
-prints the EnvResult as one JSON line (exit 0), or the one-line error on stderr (exit 2).
+Command line: `python -m dtrain.common.deps ensure --code-dir D --envs E [--setup CMD]... [--node N]
+[--image IMAGE [--docker CMD]]` prints the EnvResult as one JSON line (exit 0), or the one-line error on
+stderr (exit 2). With --image, the environment is built by that image's Python in a container
+(ensure_in_image), for a job that runs in the image.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -369,6 +372,65 @@ def _pip_failure(output: str) -> tuple[str, str] | None:
     return None
 
 
+# --- in a container image -----------------------------------------------------------------------
+
+
+def ensure_in_image(
+    code_dir: Path,
+    envs_root: Path,
+    *,
+    image: str,
+    docker: Sequence[str] = ("docker",),
+    setup: Sequence[str] = (),
+    node: str = "",
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """ensure_env with the *image's* Python, for a job that runs in `image` (container mode): a throwaway
+    container as this process's user runs this module's `ensure`, so the environment sees the image's torch.
+    Environments go under `<envs_root>/image-<image id>/` (one image's never serves another), and the
+    environments folder and the folder above `code_dir` (the run's, where the job's container works) are
+    mounted at their own paths, so the interpreter returned is valid in the job's container too. dtrain's own
+    code (this module's) goes first on the container's PYTHONPATH: an older image may lack this module.
+    Returns the EnvResult as a dict; raises DepsError (one line) as ensure_env does."""
+    code_dir, envs_root = Path(code_dir).resolve(), Path(envs_root).resolve()
+    if not requirements_of(code_dir) and not setup:  # nothing to install: the image's own Python, no container
+        return dataclasses.asdict(EnvResult(python="python3", key="", created=False, log_file=None))
+    where = f"node {node}: " if node else ""
+    inspect = [*docker, "image", "inspect", "--format", "{{.Id}}", image]
+    found = subprocess.run(inspect, capture_output=True, text=True, check=False)
+    if found.returncode != 0:  # not pulled yet (a Slurm node's first job in it): pull it, as docker run would
+        pulled = subprocess.run([*docker, "pull", "--quiet", image], capture_output=True, text=True, check=False)
+        found = subprocess.run(inspect, capture_output=True, text=True, check=False)
+        if found.returncode != 0:
+            why = " ".join((pulled.stderr or found.stderr).split())[-300:]
+            raise DepsError(f"{where}cannot pull {image} to install the requirements with ({why})")
+    envs = envs_root / f"image-{found.stdout.strip().removeprefix('sha256:')[:12]}"
+    envs.mkdir(parents=True, exist_ok=True)
+    ours = str(Path(__file__).resolve().parents[2])  # the folder holding dtrain/
+    run_dir = code_dir.parent
+    argv = [*docker, "run", "--rm", "--network", "host", "--entrypoint", "python3",
+            "--user", f"{os.getuid()}:{os.getgid()}", "-e", "HOME=/tmp", "-e", f"PYTHONPATH={ours}",
+            "-v", f"{run_dir}:{run_dir}:rw", "-v", f"{envs}:{envs}:rw"]  # fmt: skip
+    if not ours.startswith(str(run_dir) + os.sep):
+        argv += ["-v", f"{ours}:{ours}:ro"]
+    argv += ["-w", str(code_dir), image, "-m", "dtrain.common.deps", "ensure", "--code-dir", str(code_dir),
+             "--envs", str(envs), "--python", "python3"]  # fmt: skip
+    for cmd in setup:
+        argv += ["--setup", cmd]
+    if node:
+        argv += ["--node", node]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    if p.returncode != 0:
+        # ensure's own one-line error is its last line; anything else is docker's (the image would not run).
+        raise DepsError(lines[-1] if lines else f"{where}installing the requirements in {image} failed "
+                        f"(exit {p.returncode})")  # fmt: skip
+    for line in lines:
+        log(line)
+    return json.loads(out.strip().splitlines()[-1])
+
+
 # --- command line ------------------------------------------------------------------------------
 
 
@@ -381,8 +443,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ensure.add_argument("--setup", action="append", default=[], metavar="CMD", help="a setup command (repeatable)")
     ensure.add_argument("--node", default="", help="this node's name, for error messages")
     ensure.add_argument("--python", default=sys.executable, help="the base interpreter (default: this one)")
+    ensure.add_argument("--image", default="", help="build it with this image's Python, in a container")
+    ensure.add_argument("--docker", default="docker", help="the docker command (with --image)")
     args = parser.parse_args(argv)
+    say = functools.partial(print, file=sys.stderr, flush=True)
     try:
+        if args.image:
+            found = ensure_in_image(args.code_dir, args.envs, image=args.image, docker=shlex.split(args.docker),
+                                    setup=args.setup, node=args.node, log=say)  # fmt: skip
+            print(json.dumps(found), flush=True)
+            return int(ExitCode.OK)
         result = ensure_env(
             args.code_dir,
             args.envs,

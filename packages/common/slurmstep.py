@@ -13,7 +13,15 @@ the same run from its last complete checkpoint), runs `srun` with one `node` tas
 output to the job's output file, and exits with the job's code (dtrain.common.errors.ExitCode). A job
 whose ranks were preempted (exit 3) without Slurm signalling the job itself (a node's own shutdown, say)
 requeues itself with `scontrol requeue`; a failure (exit 1) or a usage error (2) does not. A job that
-Slurm signalled (scancel, its time limit) is not requeued: Slurm ends it as CANCELLED or TIMEOUT.
+Slurm signalled (scancel) is not requeued: Slurm ends it as CANCELLED.
+
+Time limits: the batch script asks Slurm for WARN_SIGNAL (USR1) some time before the job's limit
+(dtrain.control.slurm.script.time_options). On it the batch step stops every node's step the way a
+preemption does (`scancel --signal=TERM`: the steps' processes, not the batch step), and once they have
+checkpointed and stopped (exit 3) it requeues the same job, which resumes the same run: a continuation,
+counted in the job's Slurm comment (`dtrain:time-limit:N`, which `dtrain jobs` shows) and recorded in the run
+(status.json `requeued` with reason "time limit", an events.jsonl row `time-limit`), until the run completes
+or job.json's max_continuations is reached (then the job ends with exit 3 and the run can be resumed).
 
 `node` fills in what only the allocation knows (this node's and the first node's addresses, the number
 of nodes, the processes for this node's GPUs or cores) in the job spec dtrain wrote, and runs it through
@@ -34,6 +42,7 @@ what is left of the program after the grace period.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -63,6 +72,12 @@ RESTARTS_ENV = "DTRAIN_INTERNAL_SLURM_RESTARTS"  # the batch step tells the node
 STEP_WAIT_S = 30  # srun --wait: after the first node's task ends, the others get this long, then are killed
 FOLLOW_POLL_S = 0.2
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+WARN_SIGNAL = signal.SIGUSR1  # Slurm's warning before the time limit (sbatch --signal=B:USR1@<lead>)
+TIME_LIMIT_COMMENT = "dtrain:time-limit:"  # the job's Slurm comment: its continuations so far ("...:N", ":N:max")
+TIME_LIMIT_EVENT = "time-limit"  # the run's events.jsonl row of a continuation
+TIME_LIMIT_MARK = "time-limit.stop"  # in the job's directory on the batch node while it stops for its time limit
+TIME_LIMIT_LINE = ("dtrain: stopped before the job's time limit: the job is requeued and continues this run by "
+                   "itself (up to max_continuations; `dtrain jobs` counts them)")  # fmt: skip
 SIGTERM_EXIT = 128 + signal.SIGTERM  # torchrun's own exit after it was sent SIGTERM
 # The node agent, outliving Slurm's signals to the step (they reach torchrun and the workers directly) so
 # that it reports how the job ended and removes what the job leaves. Handlers, not SIG_IGN: the programs
@@ -98,6 +113,26 @@ def job_code(codes: dict[str, int]) -> int:
         if code in values:
             return code
     return EXIT_OK
+
+
+def continuations(comment: str) -> tuple[int, bool]:
+    """(time-limit continuations so far, whether the limit stopped them) from a job's Slurm comment."""
+    text = comment.strip()
+    if not text.startswith(TIME_LIMIT_COMMENT):
+        return 0, False
+    count, _, rest = text[len(TIME_LIMIT_COMMENT) :].partition(":")
+    return (int(count) if count.isdigit() else 0), rest == "max"
+
+
+def time_limit_comment(count: int, *, stopped: bool = False) -> str:
+    return f"{TIME_LIMIT_COMMENT}{count}" + (":max" if stopped else "")
+
+
+def should_continue(code: int, *, warned: bool, signalled: bool, done: int, limit: int) -> bool:
+    """Whether a job warned of its time limit is requeued to continue its run: its nodes stopped after a
+    checkpoint (exit 3; a run that finished first has nothing to continue, a failure is not retried), Slurm did
+    not end the job itself meanwhile (scancel, the limit reached), and fewer than `limit` continuations were made."""
+    return warned and not signalled and code == EXIT_PREEMPTED and done < limit
 
 
 def run_exists(job: dict[str, Any]) -> bool:
@@ -138,20 +173,41 @@ def exists(url: str) -> bool:
 
 def _run_exists_in_image(job: dict[str, Any]) -> bool:
     """Container mode: the node has no storage libraries; ask the image (it has this module)."""
-    from dtrain.common.nodeagent import container_argv
+    p = in_image(job, ["exists", job["run_url"]], capture=True)
+    if p.returncode not in (0, 1):
+        raise RuntimeError(f"cannot check the run in {job['image']}: {p.stderr.strip()[-300:]}")
+    return p.returncode == 0
+
+
+IN_IMAGE_ENV = "DTRAIN_INTERNAL_IN_IMAGE"  # set in the throwaway containers below: do the work, do not recurse
+
+
+def in_image(job: dict[str, Any], args: list[str], *, capture: bool = False) -> subprocess.CompletedProcess:
+    """`python -m dtrain.common.slurmstep ARGS` in the job's image (container mode: the node has Docker and no
+    storage libraries), in the job's directory mounted at its own path, with the job's environment by name and
+    dtrain's code from the job's directory first on PYTHONPATH (the image's may be older)."""
+    from dtrain.common.nodeagent import container_argv, run_folder_mount
 
     spec = next(iter(job["specs"].values()))
-    c = dict(spec["container"], name=f"dtrain-check-{os.environ.get('SLURM_JOB_ID', os.getpid())}")
-    c["args"] = ["-m", "dtrain.common.slurmstep", "exists", job["run_url"]]
-    workdir = Path.cwd().parent.parent  # the job runs in <workdir>/runs/<run id>
-    argv = container_argv(c, sorted(spec.get("env", {})), workdir, os.getuid(), os.getgid())
-    at = argv.index(c["image"])
-    argv[at:at] = ["--entrypoint", "python"]
-    env = {**os.environ, **spec.get("env", {})}
-    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
-    if p.returncode not in (0, 1):
-        raise RuntimeError(f"cannot check the run in {c['image']}: {p.stderr.strip()[-300:]}")
-    return p.returncode == 0
+    docker = spec["container"]["docker"] if spec.get("container") else _docker(job, "*")
+    here = Path.cwd()  # the job runs in <workdir>/runs/<run id>
+    name = f"dtrain-step-{os.environ.get('SLURM_JOB_ID', 'x')}-{os.getpid()}"
+    c = {"image": job["image"], "docker": docker, "name": name,
+         "mounts": [[str(here), "", "rw"], *run_folder_mount(job["run_url"])], "cwd": str(here), "user": "host",
+         "entrypoint": "python3",
+         "args": ["-m", "dtrain.common.slurmstep", *args]}  # fmt: skip
+    env = {**job_env(job), "PYTHONPATH": str(here / "code"), IN_IMAGE_ENV: "1"}
+    argv = container_argv(c, sorted(env), here, os.getuid(), os.getgid())
+    argv.remove("--init")  # short-lived, and its exit code is the command's
+    return subprocess.run(argv, env={**os.environ, **env}, capture_output=capture, text=True, timeout=600, check=False)
+
+
+def _docker(job: dict[str, Any], key: str) -> list[str]:
+    """A user's program in an image: the docker command of the node `key` (or any node's)."""
+    import shlex
+
+    docker = job.get("program", {}).get("docker", {})
+    return shlex.split(docker.get(key) or next(iter(docker.values()), "docker"))
 
 
 def step_command(job: dict[str, Any], mode: str) -> list[str]:
@@ -180,7 +236,11 @@ def batch(jobfile: str) -> int:
 
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, on_signal)
+    warned = threading.Event()  # Slurm's warning: the time limit is near
+    signal.signal(WARN_SIGNAL, lambda *_: warned.set())
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    with contextlib.suppress(OSError):
+        Path(TIME_LIMIT_MARK).unlink(missing_ok=True)  # an earlier start's
     try:
         # A job's first start begins its run (unless it was submitted to continue one); a later start
         # resumes it if the run got as far as writing its config.
@@ -215,7 +275,15 @@ def batch(jobfile: str) -> int:
     codes: dict[str, int] = {}
     heard = dict.fromkeys(nodes, time.monotonic() + FIRST_HEARTBEAT_S - LOST_AFTER_S)
     lost: list[str] = []
+    stopping = False
     while (line := _next(lines)) is not None:
+        if warned.is_set() and not stopping and not signalled.is_set():
+            stopping = True
+            print(f"{stamp()} dtrain: the job's time limit is near: every node checkpoints and stops; the job is "
+                  "then requeued and continues the run", flush=True)  # fmt: skip
+            with contextlib.suppress(OSError):
+                Path(TIME_LIMIT_MARK).touch()
+            _signal_steps("TERM")
         if line.startswith((HEARTBEAT_PREFIX, RESULT_PREFIX)):
             with contextlib.suppress(ValueError, KeyError):
                 r = json.loads(line.split(" ", 1)[1])
@@ -237,6 +305,8 @@ def batch(jobfile: str) -> int:
     proc.wait()
     code = job_code(codes) if not lost and len(codes) >= len(nodes) else EXIT_FAILURE
     print(f"{stamp()} dtrain: job ended with exit code {code} (nodes: {codes})", flush=True)
+    if stopping and not lost:
+        return time_limit_end(job, code, signalled=signalled.is_set())
     if job.get("program"):
         requeued = bool(lost) or (code == EXIT_PREEMPTED and not signalled.is_set())
         program_ended(job, code, requeued=requeued)
@@ -245,6 +315,74 @@ def batch(jobfile: str) -> int:
         print(f"{stamp()} dtrain: preempted: requeueing the job; it resumes from its checkpoint", flush=True)
         _requeue()
     return code
+
+
+def time_limit_end(job: dict[str, Any], code: int, *, signalled: bool) -> int:
+    """The job was stopped before its time limit (code: its nodes'): requeue it to continue the run (a
+    continuation, counted in its comment and recorded in the run), unless it finished, failed, was ended by
+    Slurm meanwhile, or has had max_continuations already."""
+    done, _ = continuations(_job_comment())
+    limit = int(job.get("max_continuations", 0))
+    if should_continue(code, warned=True, signalled=signalled, done=done, limit=limit):
+        n = done + 1
+        _set_comment(time_limit_comment(n))
+        message = (f"time limit: checkpoint saved; the job is requeued and continues the run (continuation {n} "
+                   f"of at most {limit})")  # fmt: skip
+        record_time_limit(job, n, limit, message, stopped=False)
+        print(f"{stamp()} dtrain: {message}", flush=True)
+        _requeue()
+        return code
+    if code == EXIT_PREEMPTED and not signalled:
+        _set_comment(time_limit_comment(done, stopped=True))
+        message = (f"time limit: checkpoint saved; not continued: the job has had its {limit} continuation(s) "
+                   "(max_continuations); resume the run to go on")  # fmt: skip
+        record_time_limit(job, done, limit, message, stopped=True)
+        print(f"{stamp()} dtrain: {message}", flush=True)
+    elif job.get("program"):
+        program_ended(job, code, requeued=False)
+    return code
+
+
+def record_time_limit(job: dict[str, Any], count: int, limit: int, message: str, *, stopped: bool) -> None:
+    """The run's side of a time-limit stop: an events.jsonl row, and status.json requeued (reason "time limit",
+    the continuations so far) while the job continues, so the run is not shown preempted with a --resume hint;
+    a stop at the limit of continuations stays preempted (a resume continues it). Best effort."""
+    from dtrain.common.rundir import read_json, write_json
+    from dtrain.common.storage import open_store
+
+    with contextlib.suppress(Exception), _environ(job_env(job)):
+        run = open_store(job["run_url"])
+        prev = read_json(run, "status.json") or {}
+        row = {"time": round(time.time(), 3), "step": None, "event": TIME_LIMIT_EVENT, "message": message,
+               "continuation": count, "max_continuations": limit, "continued": not stopped,
+               "job_id": os.environ.get("SLURM_JOB_ID", "")}  # fmt: skip
+        run.append_bytes("events.jsonl", (json.dumps(row) + "\n").encode())
+        body = {**prev, "updated": time.time(), "reason": "time limit", "continuations": count}
+        if stopped:
+            body.update(state="preempted", exit_code=EXIT_PREEMPTED)
+        else:
+            body["state"] = "requeued"
+            body.pop("exit_code", None)
+        write_json(run, "status.json", body)
+
+
+def _signal_steps(name: str) -> None:
+    """Signal every process of the job's steps (srun's tasks on every node), not the batch step, as Slurm's own
+    termination does: the built-ins checkpoint and exit 3, a program's node step makes its stop file."""
+    subprocess.run(["scancel", f"--signal={name}", os.environ["SLURM_JOB_ID"]], check=False)
+
+
+def _job_comment() -> str:
+    out = subprocess.run(["scontrol", "-o", "show", "job", os.environ.get("SLURM_JOB_ID", "")],
+                         capture_output=True, text=True, check=False).stdout  # fmt: skip
+    for field in out.split():
+        if field.startswith("Comment="):
+            return field.split("=", 1)[1]
+    return ""
+
+
+def _set_comment(comment: str) -> None:
+    subprocess.run(["scontrol", "update", f"JobId={os.environ['SLURM_JOB_ID']}", f"Comment={comment}"], check=False)
 
 
 def program_started(job: dict[str, Any], *, restarts: int, nodes: list[str], resume: bool) -> None:
@@ -257,6 +395,11 @@ def program_started(job: dict[str, Any], *, restarts: int, nodes: list[str], res
     from dtrain.common.rundir import read_json, write_json
     from dtrain.common.storage import open_store
 
+    if job.get("image") and not os.environ.get(IN_IMAGE_ENV):
+        args = ["started", "job.json", str(restarts), ",".join(nodes), str(int(resume))]
+        if in_image(job, args).returncode != 0:
+            raise RuntimeError(f"recording the start in {job['image']} failed (its output is above)")
+        return
     p = job["program"]
     with _environ(job_env(job)):
         run = open_store(job["run_url"])
@@ -289,6 +432,10 @@ def program_ended(job: dict[str, Any], code: int, *, requeued: bool) -> None:
     from dtrain.common.rundir import read_json, write_json
     from dtrain.common.storage import open_store
 
+    if job.get("image") and not os.environ.get(IN_IMAGE_ENV):
+        with contextlib.suppress(Exception):
+            in_image(job, ["ended", "job.json", str(code), str(int(requeued))])
+        return
     states = {EXIT_OK: "completed", EXIT_PREEMPTED: "preempted", EXIT_INTERRUPTED: "interrupted"}
     with contextlib.suppress(Exception), _environ(job_env(job)):
         run = open_store(job["run_url"])
@@ -431,6 +578,12 @@ def node(jobfile: str, mode: str) -> int:
                 code = EXIT_USAGE
                 return code
             stopping.update(file=spec["files"]["stop_file"], grace=float(spec.get("grace_s", 45.0)))
+            if container:  # the program in its image: an agent inside runs the spec (nodeagent.program_container)
+                from dtrain.common.nodeagent import program_container
+
+                spec = program_container(spec, image=job["image"], run_id=job["run_id"], node=name,
+                                         docker=_docker(job, key), gpus=gpus > 0, run_url=job["run_url"])  # fmt: skip
+                stopping["grace"] = float(spec["grace_s"])  # its grace period, then its last checkpoint copy
             if got:  # stopped while its requirements were installed: nothing to start
                 code = EXIT_PREEMPTED
                 return code
@@ -452,6 +605,9 @@ def node(jobfile: str, mode: str) -> int:
             code = EXIT_INTERRUPTED
         elif program and signal.SIGTERM in got and code in (EXIT_OK, EXIT_PREEMPTED):
             code = EXIT_PREEMPTED  # asked to stop, and it did: safe to resume (as dtrain.control.userjob.exit_code)
+        if code == EXIT_PREEMPTED and Path(TIME_LIMIT_MARK).exists():
+            # The ranks' own "preempted ... resume with --resume" is not the next step here: say what is.
+            emit(TIME_LIMIT_LINE)
         return code
     finally:
         alive.set()
@@ -474,12 +630,17 @@ def program_spec(
     from dtrain.common import deps, jobenv
 
     p = job["program"]
-    base = p["python"].get(key) or job["python"]
-    result = deps.ensure_env(Path("work"), Path("../../envs"), setup=p.get("setup", []), base_python=base, node=name,
-                             log=lambda m: emit(f"dtrain: {m}"))  # fmt: skip
-    if result.key:
-        emit(f"dtrain: requirements {'installed' if result.created else 'reused'} on {name} ({result.key})")
-    python = result.python
+    say = lambda m: emit(f"dtrain: {m}")  # noqa: E731
+    if job.get("image"):  # the image's Python makes the environment, in a container: it sees the image's torch
+        found = deps.ensure_in_image(Path("work"), Path("../../envs"), image=job["image"], docker=_docker(job, key),
+                                     setup=p.get("setup", []), node=name, log=say)  # fmt: skip
+    else:
+        base = p["python"].get(key) or job["python"]
+        found = dataclasses.asdict(deps.ensure_env(Path("work"), Path("../../envs"), setup=p.get("setup", []),
+                                                   base_python=base, node=name, log=say))  # fmt: skip
+    if found.get("key"):
+        emit(f"dtrain: requirements {'installed' if found.get('created') else 'reused'} on {name} ({found['key']})")
+    python = str(found["python"])
     if p.get("torchrun"):
         spec["argv"][0] = python
     if "/" in python:  # the job's tools (accelerate, deepspeed, ...) and `python` first on PATH
@@ -571,6 +732,12 @@ def main(argv: list[str] | None = None) -> int:
         return follow(args[1], once=args[2:] == ["--once"])
     if args[:1] == ["exists"] and len(args) == 2:
         return 0 if exists(args[1]) else 1
+    if args[:1] == ["started"] and len(args) == 5:  # program_started, in the job's image
+        program_started(read_job(args[1]), restarts=int(args[2]), nodes=args[3].split(","), resume=args[4] == "1")
+        return 0
+    if args[:1] == ["ended"] and len(args) == 4:  # program_ended, in the job's image
+        program_ended(read_job(args[1]), int(args[2]), requeued=args[3] == "1")
+        return 0
     print(__doc__.split("\n\n")[1], file=sys.stderr)
     return EXIT_USAGE
 

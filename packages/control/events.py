@@ -10,14 +10,33 @@ an HTTP request; a test collects the events and asserts on them.
     events.info("created the state bucket")
     events.emit("output", line, node="n1")      # a job's line from node n1
 
-Event kinds and their data (the message is plain text, never markup):
+Event kinds and their data (the message is plain text, never markup). This is every kind dtrain emits
+(tests/test_architecture.py holds the code to this list):
 
     info / warning      message
     check               message, ok (bool): one line of a checklist (preflight, readiness)
+    stage               message: the operation moved to a new stage (waiting for nodes, ...)
+    hang                message (one line: node, rank, last step, stack file), node, rank, step, age_s,
+                        timeout_s, state, stacks; or node, silent_s for an agent that stopped answering
+    straggler           message, stragglers ({"<node> rank <r>": times slower}; {}: none any more)
     output              message (the line), node: a job's output line
     progress            description, completed, total, status: rank 0's training progress
+    launch              message: a job or an evaluation is starting (with its ids)
+    plan                message, plan: what `dtrain up` is about to create
+    terraform_start / terraform_end     verb: a Terraform command starts, ends
     terraform           event: one of Terraform's -json machine-readable events
-    stage               message: the operation moved to a new stage (waiting for nodes, ...)
+    build_step          message, step, total, status: a step of an image build
+    push_layer          layer, current, total, status: an image layer being pushed
+    code                message, digest, files_sent, bytes_sent, per_node: a user job's code sent to its nodes
+    deps                message, created, key(s): a user job's Python environment made or reused
+    failed              message, node, exit_code, last_lines: the node that failed first, and its last lines
+    restored            message, files: a user job's checkpoint directory restored on a node
+    time-limit          message, job_id, continuations, continued: a Slurm job reached its time limit and was
+                        requeued to continue its run (continued), or had had its max_continuations
+    token / login       message: the dashboard's access token made, and its sign-in link
+    request             message, method, path, status, ms: one request to the dashboard (its access log)
+    preempted / restarted / resumed / waiting-capacity / start-failed / autostop
+                        message, node, jobs: the cluster service's notes (dtrain.service.logic.Note)
 """
 
 from __future__ import annotations

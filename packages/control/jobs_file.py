@@ -19,6 +19,7 @@ SETTING_OPTIONS = {
     "resume": "run.resume",
     "run_id": "run.run_id",
     "max_restarts": "run.max_restarts",
+    "hang_timeout": "run.hang_timeout",
 }
 LAUNCH_OPTIONS = ("image", "accept_new_host_keys", "oversubscribe")
 
@@ -99,6 +100,8 @@ def resolve_job(
         job = dataclasses.replace(job, checkpoint_dir=o["checkpoint_dir"])
     if o.get("nodes") is not None:
         job = dataclasses.replace(job, nodes=o["nodes"])
+    if o.get("time"):
+        job = dataclasses.replace(job, time=o["time"])
     return job, flags, launch
 
 

@@ -113,6 +113,7 @@ class Job:
     checkpoint_dir: str = ""  # relative to workdir; "" is dtrain's own per-run directory
     code_limit_mb: int = 0  # the most the working directory may hold to sync; 0: codesync's default
     builtin: str = ""  # the built-in workload's name (its config, eval and export hang off it)
+    time: str = ""  # a Slurm job's --time ("": the cluster table's); not saved with the run
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -176,6 +177,22 @@ def _nonneg_int(flag: str) -> Any:
     return conv
 
 
+def _hang_timeout(v: str) -> float:
+    try:
+        s = float(v)
+    except ValueError:
+        raise UserError(f"--hang-timeout must be a number of seconds (0: off), got {v!r}") from None
+    if s < 0 or s != s or s == float("inf"):
+        raise UserError(f"--hang-timeout must be >= 0 seconds (0: off), got {v!r}")
+    return s
+
+
+def _slurm_time(v: str) -> str:
+    from dtrain.control.slurm.spec import check_time
+
+    return check_time(v, "--time")
+
+
 OPTIONS = [
     Option("--cluster", "cluster", True, help="a [clusters.NAME] from dtrain.toml (default: this machine)"),
     Option("--nodes", "nodes", True, convert=_nonneg_int("--nodes"), help="use the cluster's first N nodes (0: all)"),
@@ -185,6 +202,20 @@ OPTIONS = [
     Option("--run-id", "run_id", True, help="the run's id (default: generated)"),
     Option(
         "--max-restarts", "max_restarts", True, convert=_nonneg_int("--max-restarts"), help="relaunches after a failure"
+    ),
+    Option(
+        "--hang-timeout",
+        "hang_timeout",
+        True,
+        convert=_hang_timeout,
+        help="seconds without progress before a hung job is stopped (0: off; default: from the step time)",
+    ),
+    Option(
+        "--time",
+        "time",
+        True,
+        convert=_slurm_time,
+        help="the Slurm job's time limit (minutes, HH:MM:SS, D-HH:MM:SS); at it the job checkpoints and continues",
     ),
     Option("--workdir", "workdir", True, help="the project folder synced to every node (default: .)"),
     Option("--setup", "setup", True, repeat=True, help="a command run once per node per content (repeatable)"),

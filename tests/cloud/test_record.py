@@ -187,8 +187,8 @@ def test_runs_of_a_gcp_cluster_are_listed_from_its_bucket(config_home, tmp_path,
 
 def test_a_users_program_on_a_cluster_that_runs_jobs_in_an_image_is_one_line(config_home, tmp_path, monkeypatch):
     """The clusters `dtrain up` makes run jobs in an image. Without one yet, a user's program is refused with
-    the way to get one; on their Slurm, a program in an image is refused (not supported there yet). Both before
-    any node (or Slurm's login node) is reached, and no run is made."""
+    the way to get one, with or without Slurm, before any node (or Slurm's login node) is reached, and no run is
+    made."""
     from runs import cli, isolated_env
 
     (tmp_path / "dtrain.toml").write_text(
@@ -196,22 +196,16 @@ def test_a_users_program_on_a_cluster_that_runs_jobs_in_an_image_is_one_line(con
     )
     (tmp_path / "train.py").write_text("print('never')\n")
     monkeypatch.chdir(tmp_path)
-    write_record(copy.deepcopy(RECORD))
-    key_path("demo").write_text("not really a key")
+    key_path("demo").parent.mkdir(parents=True, exist_ok=True)
     env = isolated_env(tmp_path, XDG_CONFIG_HOME=str(config_home))
-    r = cli(tmp_path, "train", "train.py", "--cluster", "demo", env=env)
-    assert r.code == 2, r.err
-    assert r.error_line() == (
-        "error: cluster 'demo' runs jobs in a container image and has none: run dtrain build --cluster demo, or "
-        'set image = "..." in [clusters.demo], or pass --image'
-    )
-    write_record({**copy.deepcopy(RECORD), "slurm": True})
-    for verb in ("train", "submit"):
-        r = cli(tmp_path, verb, "train.py", "--cluster", "demo", env=env)
-        assert r.code == 2, r.err
-        assert r.error_line() == (
-            "error: cluster 'demo' runs jobs in a container image: your own program in a container image is not "
-            "supported on Slurm yet; run it on a hosts or gcp cluster without Slurm, or on a Slurm cluster whose "
-            "nodes have Python and torch (no --image)"
-        )
+    for record, verbs in (({}, ("train",)), ({"slurm": True}, ("train", "submit"))):
+        write_record({**copy.deepcopy(RECORD), **record})
+        key_path("demo").write_text("not really a key")
+        for verb in verbs:
+            r = cli(tmp_path, verb, "train.py", "--cluster", "demo", env=env)
+            assert r.code == 2, r.err
+            assert r.error_line() == (
+                "error: cluster 'demo' runs jobs in a container image and has none: run dtrain build --cluster "
+                'demo, or set image = "..." in [clusters.demo], or pass --image'
+            )
     assert not (tmp_path / "runs").exists()

@@ -202,6 +202,7 @@ def test_a_program_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_pat
 def test_bad_inputs_are_one_line_and_leave_no_run(tmp_path: Path):
     proj = tmp_path / "proj"
     proj.mkdir()
+    (proj / "x.py").write_text("print('never')\n")
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "dtrain.toml").write_text('[jobs.broken]\nscript = "x.py"\ncommand = ["true"]\n')
@@ -220,6 +221,7 @@ def test_bad_inputs_are_one_line_and_leave_no_run(tmp_path: Path):
         ("train", "--nodes", "two", "x.py"): "error: --nodes must be a whole number, got 'two'",
         ("train", "--lr", "3", "x.py"): "error: unknown option --lr before the program",
         ("train", "some/dir"): "is not a Python script (*.py), a module (-m), or a job name",
+        ("train", "--time", "10", "x.py"): "error: --time is a Slurm job's time limit: this machine has no Slurm",
     }
     for argv, wanted in cases.items():
         r = dtrain([*argv, "--output", str(tmp_path / "out")] if "--" not in argv else list(argv), proj)

@@ -105,7 +105,7 @@ def test_batch_script(tmp_path: Path) -> None:
         "--job-name=lr-3e-3", "--nodes=2", "--ntasks-per-node=1", "--exclusive", "--requeue", "--open-mode=append",
         "--chdir=/home/u/dtrain/runs/mnist-20260101-000000-abcd",
         "--output=/home/u/dtrain/runs/mnist-20260101-000000-abcd/slurm-%j.out",
-        "--partition=gpu", "--account=proj", "--time=1:00:00", "--gres=gpu:1",
+        "--partition=gpu", "--account=proj", "--time=1:00:00", "--signal=B:USR1@120", "--gres=gpu:1",
     ]  # fmt: skip
     assert text.rstrip().endswith("exec /opt/py/bin/python -m dtrain.common.slurmstep batch job.json")
 
@@ -346,3 +346,45 @@ def test_a_users_program_as_a_slurm_job(tmp_path: Path, monkeypatch: pytest.Monk
         else:
             assert "mirror" not in node["files"]
     assert lines == []  # nothing to install
+
+
+def test_a_users_program_in_an_image_as_a_slurm_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a Slurm cluster whose jobs run in an image (dtrain up's clusters), job.json keeps the synced-mode spec
+    with the image and each node's docker command beside it: each node's step fills in the allocation, has the
+    image's Python make the environment (none here: nothing to install, so no container for it), and wraps the
+    spec in the job's container (nodeagent.program_container), whose agent runs it."""
+    from dtrain.common.nodeagent import INNER_SPEC_ENV, program_container
+    from dtrain.common.storage import open_store
+    from dtrain.control import launchers
+    from dtrain.control.program import Job, Program
+    from dtrain.control.userjob import Target, program_config
+
+    image = "registry.example/p/dtrain-train:src-0123456789ab"
+    c = cluster(tmp_path, managed=True, image=image)
+    c = dataclasses.replace(c, nodes=tuple(dataclasses.replace(n, docker="sudo docker") for n in c.nodes))
+    job = Job(name="train", program=Program(kind="script", target="train.py"), workdir=tmp_path,
+              checkpoint_dir="ckpts")  # fmt: skip
+    t = Target(
+        "train-20260101-000000-abcd", open_store(str(tmp_path / "runs" / "train-20260101-000000-abcd")), 0, False
+    )
+    plan = launchers.Plan(job=job, target=t, cluster=c, nproc=1)
+    config = program_config(t, job, cluster="c", nodes=2, nproc=None)
+    f = script.program_files(plan, job_dir="/w/runs/x", name="train", nodes=2, interactive=False, gpus_per_node=1,
+                             config=config)  # fmt: skip
+    assert f.job["image"] == image and f.job["program"]["docker"] == {"n0": "sudo docker", "n1": "sudo docker"}
+    assert all("container" not in s and s["argv"][0] == "/opt/py/bin/python" for s in f.job["specs"].values())
+    values = {"__dtrain_master_addr__": "10.0.0.10", "__dtrain_addr__": "10.0.0.11", "__dtrain_is_host__": "0",
+              "__dtrain_nproc__": "1", "__dtrain_threads__": "8", "__dtrain_node__": "n1", "__dtrain_nnodes__": "2",
+              "__dtrain_node_rank__": "1"}  # fmt: skip
+    spec = slurmstep.fill(f.job["specs"]["n1"], values, [])
+    (tmp_path / "node" / "work").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "node")
+    node = slurmstep.program_spec(f.job, spec, key="n1", name="n1", rank=1, resume=True, emit=lambda _: None)
+    assert node["argv"][0] == "python3"  # the image's own: nothing to install
+    assert slurmstep._docker(f.job, "n1") == ["sudo", "docker"]
+    boxed = program_container(node, image=image, run_id=t.run_id, node="n1", docker=["sudo", "docker"], gpus=True)
+    inner = json.loads(boxed["env"][INNER_SPEC_ENV])
+    assert inner["argv"][0] == "python3" and inner["files"]["checkpoint_dir"] == "work/ckpts"
+    assert inner["files"]["mirror"]["restore"] is True and inner["files"]["mirror"]["node"] == 1
+    assert boxed["container"]["name"] == "dtrain-train-20260101-000000-abcd-n1" and boxed["container"]["gpus"] is True
+    assert boxed["env"]["DTRAIN_NODE_RANK"] == "1" and boxed["grace_s"] == inner["grace_s"] + 30.0

@@ -107,6 +107,21 @@ class JobState:
     elapsed: str = ""  # [D-]HH:MM:SS
     nodes: int = 0
     nodelist: str = ""
+    comment: str = ""  # the job's Slurm comment: dtrain's time-limit continuations (dtrain.common.slurmstep)
+
+    @property
+    def continuations(self) -> int:
+        """Times the job reached its time limit and was requeued to continue its run."""
+        from dtrain.common.slurmstep import continuations
+
+        return continuations(self.comment)[0]
+
+    @property
+    def continuations_stopped(self) -> bool:
+        """The job reached its time limit after its last allowed continuation: it was not requeued."""
+        from dtrain.common.slurmstep import continuations
+
+        return continuations(self.comment)[1]
 
     @property
     def active(self) -> bool:
@@ -145,6 +160,7 @@ def job_from_scontrol(kv: dict[str, str]) -> JobState:
         elapsed=kv.get("RunTime", ""),
         nodes=int(kv.get("NumNodes", "0").split("-")[0] or 0),
         nodelist="" if kv.get("NodeList") in (None, "(null)") else kv["NodeList"],
+        comment="" if kv.get("Comment") in (None, "(null)") else kv["Comment"],
     )
 
 

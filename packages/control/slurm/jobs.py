@@ -114,6 +114,8 @@ class JobRow:
             "duration": s.elapsed if s else "",
             "exit_code": s.exit_code if s else None,
             "restarts": s.restarts if s else 0,
+            "continuations": s.continuations if s else 0,  # requeued at the time limit to continue the run
+            "time_limit": time_limit_state(s),
             "run_id": self.record.run_id,
             "url": self.record.url,
             "eval_id": self.record.eval_id,
@@ -124,6 +126,22 @@ class JobRow:
             "stalled": self.stalled,
             "stalled_since": _local(self.stalled_since) if self.stalled_since is not None else "",
         }
+
+
+def time_limit_state(s: JobState | None) -> str:
+    """A job's time-limit continuations in words, "" for a job that has had none: `continuing (time limit, N)`
+    while it waits to start again or runs again, `completed (time limit, N)` and the like once it ended, and
+    `stopped at the time limit (N, max_continuations)` when it reached its limit of continuations."""
+    if s is None or not s.comment:
+        return ""
+    n = s.continuations
+    if s.continuations_stopped:
+        return f"stopped at the time limit ({n}, max_continuations)"
+    if not n:
+        return ""
+    if s.active:
+        return f"continuing (time limit, {n})"
+    return f"{s.state.lower()} (time limit, {n})"
 
 
 def _local(epoch: float) -> str:
@@ -283,6 +301,7 @@ def _submit(
         gpus_per_node=gpus,
         paths=node_paths(args, run.url),
         debug=req.debug,
+        time=getattr(req, "time", ""),
     )
     rec = _queue(s, JobRecord("", name, workload, run_id, run.url, job_dir, nodes, time.time(), cluster.name), files)
     result = SubmitResult(
@@ -829,8 +848,21 @@ def _show(raw: str, events: Events) -> None:
 
 def _report(before: JobState | None, now: JobState | None, events: Events) -> None:
     """A stage event when the job's state changes (queued and why, running where, requeued)."""
-    if now is None or (before is not None and (before.state, before.restarts) == (now.state, now.restarts)):
+    if now is None or (
+        before is not None and (before.state, before.restarts, before.comment) == (now.state, now.restarts, now.comment)
+    ):
         return
+    if before is not None and (
+        now.continuations > before.continuations or now.continuations_stopped > before.continuations_stopped
+    ):
+        n = now.continuations
+        events.emit(
+            "time-limit",
+            f"dtrain: job {now.job_id} reached its time limit: {time_limit_state(now)}",
+            job_id=now.job_id,
+            continuations=n,
+            continued=not now.continuations_stopped,
+        )
     if before is not None and now.restarts > before.restarts:
         events.emit("stage", f"dtrain: job {now.job_id} was requeued (restart {now.restarts}): it resumes the run")
     if now.state in ("PENDING", "REQUEUED"):

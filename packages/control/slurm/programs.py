@@ -87,7 +87,14 @@ def _submit(s: Session, plan: Any, *, name: str, interactive: bool, events: Even
     job_dir = f"{s.workdir}/runs/{t.run_id}"
     config = program_config(t, job, cluster=cluster.name, nodes=nodes, nproc=None)
     files = program_files(
-        plan, job_dir=job_dir, name=name, nodes=nodes, interactive=interactive, gpus_per_node=gpus, config=config
+        plan,
+        job_dir=job_dir,
+        name=name,
+        nodes=nodes,
+        interactive=interactive,
+        gpus_per_node=gpus,
+        config=config,
+        time=getattr(job, "time", ""),
     )
     rec = JobRecord("", name, job.name, t.run_id, t.run.url, job_dir, nodes, time.time(), cluster.name, kind="program")
     _ship(s, rec, files)

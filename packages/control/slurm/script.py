@@ -87,8 +87,10 @@ def job_files(
     gpus_per_node: int,
     paths: Mapping[str, str],
     debug: bool,
+    time: str = "",
 ) -> JobFiles:
-    """The batch script and job.json of one job. `argv_new` None: the job continues an existing run."""
+    """The batch script and job.json of one job. `argv_new` None: the job continues an existing run. `time`:
+    its --time ("": the cluster table's)."""
     assert cluster.slurm is not None
     s = cluster.slurm
     from dtrain.control.settings import builtin
@@ -115,6 +117,8 @@ def job_files(
         "nproc": nproc,
         "oversubscribe": oversubscribe,
         "interactive": interactive,
+        "time": time or s.time,
+        "max_continuations": s.max_continuations,
     }
     return JobFiles(script=batch_script(cluster, job, nodes=nodes, gpus_per_node=gpus_per_node), job=job)
 
@@ -161,6 +165,7 @@ def module_files(
         "oversubscribe": False,
         "interactive": False,
         "keep_log": False,
+        "max_continuations": s.max_continuations,
     }
     return JobFiles(script=batch_script(cluster, job, nodes=1, gpus_per_node=gpus_per_node), job=job)
 
@@ -172,7 +177,9 @@ def program_template(plan: Any, node: Node) -> dict[str, Any]:
     from dtrain.common import jobenv
     from dtrain.control.remote_program import program_spec
 
-    stand_in = dataclasses.replace(plan.cluster, nodes=(MASTER,))
+    # The synced-mode spec even for a job in an image: each node's step wraps it in its container after it fills
+    # in the allocation and installs the requirements (dtrain.common.slurmstep.program_spec).
+    stand_in = dataclasses.replace(plan.cluster, nodes=(MASTER,), image="")
     some_node = dataclasses.replace(node, name="__dtrain_node__", address="__dtrain_addr__")
     # rank 0: the spec the first node runs (it forwards the metrics); the node's step adjusts it for the others.
     spec = program_spec(
@@ -199,6 +206,7 @@ def program_files(
     interactive: bool,
     gpus_per_node: int,
     config: dict[str, Any],
+    time: str = "",
 ) -> JobFiles:
     """The batch script and job.json of a user's program (`plan`: a launchers.Plan with its run). The same
     batch step as a built-in's; job.json's `program` table says what the batch step and each node's step do
@@ -219,7 +227,7 @@ def program_files(
         "name": name,
         "python": s.login.python,
         "dir": job_dir,
-        "image": "",
+        "image": cluster.image,
         "resume": plan.target.resumed,
         "argv_new": [],
         "argv_resume": [],
@@ -227,6 +235,8 @@ def program_files(
         "nproc": plan.nproc,
         "oversubscribe": plan.oversubscribe,
         "interactive": interactive,
+        "time": time or s.time,
+        "max_continuations": s.max_continuations,
         "program": {
             "torchrun": plan.job.program.under_torchrun,
             "setup": list(plan.job.setup),
@@ -234,6 +244,7 @@ def program_files(
             "restarts": plan.target.restarts,
             "shared": s.shared_workdir,
             "config": config,
+            "docker": {key: node.docker for key, node in members.items()},  # with the image: each node's docker
         },
     }
     return JobFiles(script=batch_script(cluster, job, nodes=nodes, gpus_per_node=gpus_per_node), job=job)
@@ -254,9 +265,8 @@ def batch_script(cluster: Cluster, job: dict[str, Any], *, nodes: int, gpus_per_
         f"--chdir={job['dir']}",
         f"--output={job['dir']}/slurm-%j.out",
     ]
-    options += [
-        f"--{key}={getattr(s, key)}" for key in ("partition", "account", "time", "constraint") if getattr(s, key)
-    ]
+    options += [f"--{key}={getattr(s, key)}" for key in ("partition", "account", "constraint") if getattr(s, key)]
+    options += time_options(job.get("time", s.time))
     if gpus_per_node:
         options.append(f"--gres=gpu:{gpus_per_node}")
     lines = [
@@ -268,6 +278,20 @@ def batch_script(cluster: Cluster, job: dict[str, Any], *, nodes: int, gpus_per_
         f"exec {shlex.quote(job['python'])} -m dtrain.common.slurmstep batch job.json",
     ]
     return "\n".join(lines) + "\n"
+
+
+def time_options(limit: str) -> list[str]:
+    """sbatch's --time (`limit`: the job's --time, else the cluster table's; "": the partition's) and the warning
+    signal before it: Slurm sends the batch step (B:, the batch shell, which is the step itself) WARN_SIGNAL
+    warning_lead_s before the limit; the step then stops the job as a preemption does and requeues it
+    (dtrain.common.slurmstep.batch). None for a job without a limit."""
+    from dtrain.control.slurm.spec import WARN_SIGNAL, limit_seconds, warning_lead_s
+
+    seconds = limit_seconds(limit)
+    if limit and seconds is None:  # UNLIMITED, 0
+        return [f"--time={limit}"]
+    lead = warning_lead_s(seconds)
+    return [*([f"--time={limit}"] if limit else []), f"--signal=B:{WARN_SIGNAL}@{lead}"]
 
 
 def tar_of(files: Mapping[str, tuple[bytes, int]]) -> bytes:

@@ -1,0 +1,170 @@
+"""Jobs that outlive their Slurm time limit on the real Slurm bed (tests/slurm/conftest.py): `dtrain submit
+--time 2` of a Fashion-MNIST run that needs more than twice as long, and of a user's plain torchrun script.
+Slurm warns the batch step (USR1, 15 to 75 s before the limit), the job checkpoints and is requeued, and
+continues the same run, again and again, until the run completes by itself. `dtrain jobs` says "continuing
+(time limit, N)" meanwhile and the run's events.jsonl has a `time-limit` row per continuation. Prints the
+continuations and the time each one lost (the issue's figure). Real slurmctld, slurmd, sbatch/srun, torchrun
+and gloo.
+
+Needs root (network namespaces; CI runs as root), Debian's slurm-wlm and munge.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import Env
+from .test_slurm_bed import job_processes
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+# One node, one process, a small evaluation; epochs for about WORK_S of training at the bed's speed today (a
+# calibration run measures it: the bed shares its machine, and a step takes 0.07 to 0.85 s), in allocations of
+# 2 minutes that end 15 to 75 s early (the warning).
+WORK_S = 270.0
+COMMON = ["--nodes", "1", "--eval-split", "test[:2000]", "--checkpoint-every", "20"]
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def batch_output(bed: Env, job: str, run: Path) -> str:
+    """The job's output file (the batch step's lines: the warning, each continuation) on the nodes that ran it."""
+    files = [
+        bed.sb.private(bed.sb.host(h), f"/var/lib/slurm/dtrain/runs/{run.name}/slurm-{job}.out") for h in ("h0", "h1")
+    ]
+    return "".join(f.read_text() for f in files if f.exists())
+
+
+def epochs_for(bed: Env, seconds: float) -> tuple[int, float]:
+    """(epochs of 62 steps that take about `seconds` of training here now, the seconds one epoch took)."""
+    job = bed.submit(*COMMON, "--epochs", "1")
+    row = bed.wait(job, lambda j: j["state"] == "COMPLETED", what="COMPLETED")
+    events = rows(Path(row["url"]) / "events.jsonl")
+    took = next(e for e in events if e["event"] == "completed")["time"] - events[0]["time"]
+    return max(2, min(60, math.ceil(seconds / took))), took
+
+
+@pytest.mark.timeout(1200)  # a calibration run, then some 4.5 minutes of work over 3 or 4 allocations
+def test_a_job_that_outlives_its_time_limit_continues_until_it_completes(bed: Env) -> None:
+    epochs, epoch_s = epochs_for(bed, WORK_S)
+    steps = epochs * 62
+    t0 = time.monotonic()
+    job = bed.submit("--time", "2", *COMMON, "--epochs", str(epochs))
+    seen: set[str] = set()
+    table = ""
+    deadline = time.monotonic() + 1500
+    row: dict = {}
+    while time.monotonic() < deadline:
+        row = bed.jobs().get(job, {})
+        if row.get("time_limit"):
+            seen.add(row["time_limit"])
+            if row["time_limit"].startswith("continuing") and not table:
+                r = bed.dtrain("jobs", "--cluster", "bed")
+                assert r.returncode == 0, r.stderr
+                table = r.stdout
+        if row.get("state") == "COMPLETED" or row.get("state", "").split(" ")[0] in {"FAILED", "CANCELLED", "TIMEOUT"}:
+            break
+        time.sleep(2)
+    wall = time.monotonic() - t0
+    run = Path(row["url"])
+    if row.get("state") != "COMPLETED":
+        out = bed.dtrain("logs", job, "--cluster", "bed").stdout
+        pytest.fail(f"job {job} did not complete: {row}\n{out[-3000:]}\n{batch_output(bed, job, run)[-3000:]}")
+    print(batch_output(bed, job, run))
+    n = row["continuations"]
+    assert n >= 1, row
+    assert row["time_limit"] == f"completed (time limit, {n})", row
+    assert any(s.startswith("continuing (time limit, ") for s in seen), seen
+    assert "continuing (time limit, " in table, table
+    # The node's log says the job goes on by itself after each stop (the ranks' own line suggests --resume).
+    out = bed.dtrain("logs", job, "--cluster", "bed").stdout
+    assert out.count("stopped before the job's time limit: the job is requeued and continues") == n, out[-3000:]
+    # The same run, resumed once per continuation, to its end.
+    config = json.loads((run / "config.json").read_text())
+    assert len(config.get("resumes", [])) == n, config.get("resumes")
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "completed" and status["result"]["steps"] == steps, status
+    events = rows(run / "events.jsonl")
+    limits = [e for e in events if e["event"] == "time-limit"]
+    assert [e["continuation"] for e in limits] == list(range(1, n + 1)) and all(e["continued"] for e in limits), limits
+    # Time lost to each continuation: from the checkpoint saved at the warning (the workload's `preempted` row)
+    # to training again in the next allocation (its `resumed` row): the requeue, the wait for the node, the
+    # start. And the allocation's time left unused: from the stop to the time limit (the warning's lead).
+    stops = [e for e in events if e["event"] == "preempted"]
+    resumes = [e for e in events if e["event"] == "resumed"]
+    assert len(stops) == n and len(resumes) == n, [e["event"] for e in events]
+    lost = [r["time"] - s["time"] for s, r in zip(stops, resumes, strict=True)]
+    # The work itself: the time training took in all (each allocation from its start or resume to its stop).
+    starts = [e for e in events if e["event"] in ("started", "resumed")]
+    ends = [*stops, next(e for e in events if e["event"] == "completed")]
+    work = sum(b["time"] - a["time"] for a, b in zip(starts, ends, strict=True))
+    print(f"job {job}: --time 2 (120 s), {epochs} epochs, {steps} steps (one epoch alone: {epoch_s:.0f} s; "
+          f"{work:.0f} s of training in all): completed after {n} continuation(s), {wall:.0f} s from submit "
+          "to completed")  # fmt: skip
+    for i, (s, r, gap) in enumerate(zip(stops, resumes, lost, strict=True), 1):
+        print(f"  continuation {i}: checkpoint at step {s['step']}, training again at step {r['step']} "
+              f"{gap:.1f} s later")  # fmt: skip
+    print(f"  time lost per continuation: mean {sum(lost) / n:.1f} s, max {max(lost):.1f} s")
+    assert all(s["step"] == r["step"] for s, r in zip(stops, resumes, strict=True))  # nothing redone
+    deadline = time.monotonic() + 30
+    while any(job_processes(bed).values()):
+        assert time.monotonic() < deadline, job_processes(bed)
+        time.sleep(1)
+
+
+def test_a_programs_time_reaches_its_batch_script(bed: Env, tmp_path: Path) -> None:
+    """`dtrain submit --time` for a user's command on the user's cluster: its batch script asks for that limit
+    and the warning before it; the job runs as usual."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "data.txt").write_text("1\n")
+    r = bed.dtrain("submit", "--cluster", "user", "--nodes", "1", "--time", "30", "--output", str(bed.runs),
+                   "--workdir", str(project), "--", "cat", "data.txt")  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip().isdigit(), r.stdout + r.stderr
+    job = r.stdout.strip()
+    row = bed.wait(job, lambda j: j["state"] == "COMPLETED", what="COMPLETED", cluster="user")
+    batch = (bed.sb.shared / "user" / "runs" / row["run_id"] / "slurm.sh").read_text()
+    assert "#SBATCH --time=30\n#SBATCH --signal=B:USR1@120\n" in batch, batch
+    assert row["continuations"] == 0 and row["time_limit"] == "", row
+
+
+def test_a_users_program_outlives_its_time_limit_from_its_own_checkpoints(bed: Env, tmp_path: Path) -> None:
+    """A plain torchrun script that knows nothing of dtrain (its own ckpt.pt every 10 steps, no SIGTERM handler:
+    it is killed by the stop) with about 150 s of work under `--time 2`: at the warning its node step makes the
+    stop file and the program is stopped, its checkpoint directory (copied by the node agent) is put back when
+    the job runs again, and the script resumes from its own ckpt.pt until it ends."""
+    from projects import make_ddp_project
+    from runs import CLI
+
+    from .test_slurm_programs import FAST
+
+    project = make_ddp_project(tmp_path / "proj")
+    argv = ["submit", "train.py", "--cluster", "bed", "--nodes", "1", "--nproc", "1", "--time", "2", "--output",
+            str(bed.runs), "--workdir", str(project), "--checkpoint-dir", "checkpoints", "--",
+            "--steps", "500", "--ckpt-every", "10", "--sleep", "0.3"]  # fmt: skip
+    r = subprocess.run([*CLI, *argv], cwd=bed.cwd, env={**bed.env(), **FAST}, capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip().isdigit(), r.stdout + r.stderr
+    job = r.stdout.strip()
+    row = bed.wait(job, lambda j: j["state"] == "COMPLETED", timeout=900, what="COMPLETED")
+    n = row["continuations"]
+    assert n >= 1 and row["time_limit"] == f"completed (time limit, {n})", row
+    out = bed.dtrain("logs", job, "--cluster", "bed").stdout
+    resumed = [int(s) for s in re.findall(r"resumed at step (\d+)", out)]
+    assert len(resumed) == n and resumed == sorted(resumed) and resumed[0] >= 10, out[-3000:]
+    assert "final weights" in out and "step 500 loss" in out
+    run = Path(row["url"])
+    status = json.loads((run / "status.json").read_text())
+    assert status["state"] == "completed" and status["starts"] == n + 1, status
+    limits = [e for e in rows(run / "events.jsonl") if e["event"] == "time-limit"]
+    assert [e["continuation"] for e in limits] == list(range(1, n + 1)), limits
+    print(f"program job {job}: 500 steps x 0.3 s under --time 2: {n} continuation(s), resumed at steps {resumed}")
