@@ -10,7 +10,9 @@ all-reduce check, the LoRA benchmark in bf16, and the checks that the review of 
 (docs/gpu.md) could not make on a CPU: no host sync in an fp16 MNIST step, cuDNN's autotuner for
 MNIST, no math-backend attention for grouped heads, TF32 for fp32 products, no fused LoRA linear on
 CUDA, a few syncs per LoRA evaluation rather than two a batch, a precision change on resume, weights
-read straight onto the GPU, no RNG-fork warning with several GPUs. `--cpu` (the default without a
+read straight onto the GPU, no RNG-fork warning with several GPUs; and the memory paths of LoRA: activation
+checkpointing's peak memory, QLoRA (NF4) in process and through the CLI with a bf16 merge, FSDP2
+sharding through the CLI (issue 21). `--cpu` (the default without a
 GPU) runs the checks that have a CPU form, so this script is exercised by the tests on machines
 without a GPU.
 """
@@ -484,6 +486,161 @@ def check_fork_rng(env: Env) -> str:
     return f"{torch.cuda.device_count()} GPUs, no fork_rng warning"
 
 
+def _text_blocks(env: Env, n: int) -> torch.Tensor:
+    """`n` blocks of LORA_SEQ byte tokens of the smoke corpus (real text), on the CPU."""
+    data = env.text().read_bytes()[: n * LORA_SEQ]
+    return torch.tensor(list(data), dtype=torch.long).view(n, LORA_SEQ)
+
+
+def check_activation_checkpointing(env: Env) -> str:
+    """dtrain's activation checkpointing on tiny-llama in the GPU's half precision, 4 x 1024 tokens:
+    the step's peak memory falls, the LoRA gradients stay (the recomputation is the same arithmetic)."""
+    env.need_cuda()
+    from dtrain.lora.model import apply_lora, enable_activation_checkpointing, load_base
+
+    dtype = torch.bfloat16 if env.has_bf16 else torch.float16
+    x = torch.randint(0, 256, (4, 1024), generator=torch.Generator().manual_seed(0)).to(env.device)
+    peaks, grads = {}, {}
+    for on in (False, True):
+        model, _ = load_base("tiny-llama", dtype, seed=0, device=env.device)
+        model, _ = apply_lora(model, "tiny-llama", r=8, alpha=16, dropout=0.0, targets=[], seed=0)
+        if on:
+            enable_activation_checkpointing(model)
+        model.train()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(env.device)
+        base = torch.cuda.memory_allocated(env.device)
+        with torch.autocast("cuda", dtype=dtype):
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
+        loss.backward()
+        torch.cuda.synchronize()
+        peaks[on] = (torch.cuda.max_memory_allocated(env.device) - base) / 2**20
+        grads[on] = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.requires_grad])
+        del model, loss
+        torch.cuda.empty_cache()
+    diff = ((grads[True] - grads[False]).norm() / grads[False].norm()).item()
+    line = (
+        f"{str(dtype)[6:]} 4x1024: step peak {peaks[False]:,.0f} MiB without, {peaks[True]:,.0f} MiB with; "
+        f"LoRA gradients' relative difference {diff:.1e}"
+    )
+    if not peaks[True] < 0.7 * peaks[False] or diff > 1e-2:
+        raise Failed(line)
+    return line
+
+
+def check_qlora(env: Env) -> str:
+    """QLoRA in process, tiny-llama: NF4 with double quantization through dtrain's loader, peft's k-bit
+    preparation, LoRA and activation checkpointing; steps in the GPU's compute dtype (bf16 on sm 8.0+,
+    fp16 with loss scaling before); the adapter saved, then loaded with stock peft onto a fresh 4-bit
+    base, gives the trained model's logits."""
+    env.need_cuda()
+    from peft import PeftModel
+
+    from dtrain.lora import quant
+    from dtrain.lora.model import apply_lora, enable_activation_checkpointing, load_base
+
+    compute = quant.compute_dtype(env.device)
+
+    def base() -> torch.nn.Module:
+        return load_base("tiny-llama", compute, seed=0, device=env.device, quantization=quant.nf4_config(compute))[0]
+
+    torch.cuda.reset_peak_memory_stats(env.device)
+    model = quant.prepare(base())
+    q = model.model.layers[0].self_attn.q_proj
+    state = getattr(q.weight, "quant_state", None)
+    if type(q).__name__ != "Linear4bit" or state is None or state.quant_type != "nf4" or not state.nested:
+        raise Failed(f"q_proj is {type(q).__name__}, quant state {state}")
+    model, _ = apply_lora(model, "tiny-llama", r=8, alpha=16, dropout=0.0, targets=[], seed=0)
+    enable_activation_checkpointing(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=2e-3)
+    scaler = torch.amp.GradScaler("cuda", enabled=compute == torch.float16)
+    blocks = _text_blocks(env, 8 * LORA_BATCH).to(env.device)
+    model.train()
+    losses = []
+    for i in range(2 * LORA_STEPS):
+        x = blocks[(i % 8) * LORA_BATCH : (i % 8 + 1) * LORA_BATCH]
+        with torch.autocast("cuda", dtype=compute):
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    peak = torch.cuda.max_memory_allocated(env.device) / 2**20
+    if not all(math.isfinite(v) for v in losses) or not losses[-1] < losses[0]:
+        raise Failed(f"losses {losses}")
+    path = env.work / "qlora-adapter"
+    model.save_pretrained(str(path))
+    model.eval()
+    reloaded = PeftModel.from_pretrained(base(), str(path)).eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=compute):
+        want, got = model(input_ids=blocks[:2]).logits.float(), reloaded(input_ids=blocks[:2]).logits.float()
+    rel = ((want - got).abs().max() / want.abs().max()).item()
+    if not math.isfinite(rel) or rel > 0.05:
+        raise Failed(f"reloaded adapter's logits differ by {rel:.2%}")
+    return (
+        f"NF4 + double quant, compute {str(compute)[6:]}, {len(losses)} steps, loss {losses[0]:.3f} -> "
+        f"{losses[-1]:.3f}, peak {peak:,.0f} MiB; stock peft reload: logits within {rel:.1%}"
+    )
+
+
+def check_lora_qlora_run(env: Env) -> str:
+    """`dtrain train lora --quant 4bit --merge` end to end: trains, writes a stock PEFT adapter and a
+    bf16 merged model that transformers loads."""
+    env.need_cuda()
+    from transformers import AutoModelForCausalLM
+
+    cwd = env.work / "lora-qlora"
+    p = dtrain(env, "train", "lora", "--model", "tiny-llama", "--data", str(env.text()), "--max-steps",
+               str(LORA_STEPS), "--seq-len", str(LORA_SEQ), "--batch-size", str(LORA_BATCH), "--lr", "2e-3",
+               "--quant", "4bit", "--merge", cwd=cwd)  # fmt: skip
+    if p.returncode != 0:
+        raise Failed(f"exit {p.returncode}: {last_line(p)}")
+    if "QLoRA (NF4 base)" not in p.stdout:
+        raise Failed("the run did not say it loaded a 4-bit base")
+    run, rows = run_rows(cwd)
+    ppl = [r["eval_perplexity"] for r in rows if "eval_perplexity" in r]
+    if not ppl[-1] < ppl[0]:
+        raise Failed(f"eval perplexity {ppl}")
+    adapter = json.loads((run / "final" / "adapter" / "adapter_config.json").read_text())
+    merged = AutoModelForCausalLM.from_pretrained(str(run / "final" / "merged"))
+    dtypes = {p.dtype for p in merged.parameters()}
+    if adapter.get("peft_type") != "LORA" or dtypes != {torch.bfloat16}:
+        raise Failed(f"adapter {adapter.get('peft_type')}, merged dtypes {dtypes}")
+    return f"{LORA_STEPS} steps, eval perplexity {ppl[0]:.1f} -> {ppl[-1]:.1f}; PEFT adapter, bf16 merged model"
+
+
+def check_lora_fsdp(env: Env) -> str:
+    """`dtrain train lora --sharding fsdp --merge` on the GPU(s): FSDP2 with the base in half precision
+    and the LoRA weights in fp32 in the same units; the adapter loads with stock peft."""
+    env.need_cuda()
+    from peft import PeftModel
+
+    from dtrain.lora.model import load_base
+
+    cwd = env.work / "lora-fsdp"
+    p = dtrain(env, "train", "lora", "--model", "tiny-llama", "--data", str(env.text()), "--max-steps",
+               str(LORA_STEPS), "--seq-len", str(LORA_SEQ), "--batch-size", str(LORA_BATCH), "--lr", "2e-3",
+               "--sharding", "fsdp", "--merge", "--checkpoint-every", "3", cwd=cwd)  # fmt: skip
+    if p.returncode != 0:
+        raise Failed(f"exit {p.returncode}: {last_line(p)}")
+    sharded = "FSDP2 sharded" in p.stdout
+    run, rows = run_rows(cwd)
+    ppl = [r["eval_perplexity"] for r in rows if "eval_perplexity" in r]
+    if not ppl[-1] < ppl[0]:
+        raise Failed(f"eval perplexity {ppl}")
+    base, _ = load_base("tiny-llama", torch.float32, seed=0)
+    model = PeftModel.from_pretrained(base, str(run / "final" / "adapter"))
+    n = sum(1 for name, _ in model.named_parameters() if "lora_" in name)
+    if n != 56:
+        raise Failed(f"{n} LoRA tensors loaded")
+    return (
+        f"{LORA_STEPS} steps ({'sharded' if sharded else 'one process: not sharded'}), eval perplexity "
+        f"{ppl[0]:.1f} -> {ppl[-1]:.1f}; adapter loads with stock peft"
+    )
+
+
 CHECKS: dict[str, Callable[[Env], str]] = {
     **{f"mnist-{p}": (lambda env, p=p: check_mnist(env, p)) for p in ("fp32", "bf16", "fp16")},
     **{f"lora-{p}": (lambda env, p=p: check_lora(env, p)) for p in ("fp32", "bf16", "fp16")},
@@ -498,6 +655,10 @@ CHECKS: dict[str, Callable[[Env], str]] = {
     "resume-bf16-to-fp16": check_resume_precision,
     "load-to-device": check_load_to_device,
     "fork-rng": check_fork_rng,
+    "activation-checkpointing": check_activation_checkpointing,
+    "qlora": check_qlora,
+    "lora-qlora-run": check_lora_qlora_run,
+    "lora-fsdp": check_lora_fsdp,
 }
 
 

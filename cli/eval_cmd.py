@@ -32,7 +32,12 @@ def eval_(
         str, typer.Option("--prompts", help="LoRA: a file (or gs:// object) of prompts to continue, one a line")
     ] = "",
     data: Annotated[
-        str, typer.Option("--data", help="LoRA: the text to take held-out blocks from, if not the run's --data")
+        str,
+        typer.Option(
+            "--data",
+            help="LoRA: held-out data in the run's format (text: its held-out share; instruction/chat: "
+            "every record, loss on trained tokens); default: the run's own held-out set",
+        ),
     ] = "",
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", help="LoRA: tokens sampled per continuation (0: 48)")

@@ -154,19 +154,27 @@ class Checkpointer:
         return last or epoch_end or (self.every > 0 and step % self.every == 0)
 
     def save(
-        self, step: int, state_fn: Callable[[], dict[str, Any]], *, epoch_end: bool = False, last: bool = False
+        self,
+        step: int,
+        state_fn: Callable[[], dict[str, Any]],
+        *,
+        epoch_end: bool = False,
+        last: bool = False,
+        collective: bool = False,
     ) -> bool:
         """Checkpoint if due. Every rank calls this at the same steps (it gathers RNG states).
         `last` (end of training, SIGTERM) also waits until the checkpoint is committed. Raises on
-        every rank if rank 0's previous write failed."""
+        every rank if rank 0's previous write failed. `collective`: `state_fn` gathers from every
+        rank (a sharded model), so every rank calls it and rank 0 keeps what it returns."""
         if not self.due(step, epoch_end=epoch_end, last=last):
             if last:
                 self._wait_together()
             return False
         gathered = self.d.gather((rng_state(self.d.device), self._settle(flush=True)))
         self._raise_shared(gathered[0][1])
+        state = state_fn() if collective or self.d.is_main else None
         if self.d.is_main:
-            state = state_fn()
+            assert state is not None
             rngs = [rng for rng, _ in gathered]
             state.update(step=step, rng=rngs, config=self.run_config, model_config=self.model_config)
             buf = io.BytesIO()

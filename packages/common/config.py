@@ -245,6 +245,7 @@ def make_parser(cls: type, prog: str, description: str) -> argparse.ArgumentPars
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             shown = default.value if isinstance(default, enum.Enum) else default
             help_text = f"{f.metadata.get('help', '')} (default: {shown!r})"
+        help_text = help_text.replace("%", "%%")  # argparse %-formats help ("3% of the run" would crash --help)
         if tp is bool:
             p.add_argument(flag(key), dest=key, action=argparse.BooleanOptionalAction, help=help_text)
         else:

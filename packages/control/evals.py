@@ -58,7 +58,7 @@ class RunRequest:
 class EvalRequest(RunRequest):
     prompts: Sequence[str] = ()  # LoRA: prompts to continue
     prompts_file: str = ""  # LoRA: a file (or gs:// object) of prompts, one a line
-    data: str = ""  # LoRA: the text to take held-out blocks from, if not the run's --data
+    data: str = ""  # LoRA: held-out data in the run's format, if not the run's own held-out set
     max_new_tokens: int = 0  # LoRA: tokens sampled per continuation (0: the module's default)
     queue: bool = False  # a Slurm job on the cluster (submit_eval) instead of a process on its master
 

@@ -29,6 +29,7 @@ class LaunchRequest:
     oversubscribe: bool = False  # allow more processes than cores (or GPUs)
     tty: bool = False  # the job's output goes to a terminal: rank 0 draws a live progress bar
     debug: bool = False  # keep torchrun's own logs
+    time: str = ""  # a Slurm job's --time ("": the cluster table's); Slurm clusters only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,11 @@ def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResul
     from dtrain.control.settings import builtin
 
     r = resolve(req)
+    if req.time and r.cluster.slurm is None:
+        from dtrain.control import launchers
+
+        where = f"cluster {r.cluster.name}" if launchers.over_ssh(r.cluster) else "this machine"
+        raise UserError(f"--time is a Slurm job's time limit: {where} has no Slurm")
     job = Job(
         name=req.workload, program=Program(kind=MODULE, target=builtin(req.workload).module), builtin=req.workload
     )
@@ -102,6 +108,7 @@ def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResul
         cluster=r.cluster,
         nproc=r.settings.launch.nproc,
         max_restarts=r.settings.launch.max_restarts,
+        hang_timeout=r.settings.launch.hang_timeout_s,
         image=req.image,
         accept_new_host_keys=req.accept_new_host_keys,
         oversubscribe=req.oversubscribe,
@@ -109,12 +116,18 @@ def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResul
         debug=req.debug,
         builtin=(req, r),
     )
-    return launchers.get(r.cluster.launcher).launch(plan, events=events, handle=handle)
+    result = launchers.get(r.cluster.launcher).launch(plan, events=events, handle=handle)
+    if getattr(r.settings.workload(req.workload), "show_example", False):
+        # --show-example prints an example and exits before a run directory is made: no run to point at
+        return dataclasses.replace(result, run_id="", url="")
+    return result
 
 
 def next_step(result: LaunchResult, resume_hint: str = "") -> str:
     """What to tell the user after the job ended: where the run is, or how to continue it."""
     w, r = result.workload, result.run_id
+    if not r:  # no run was made (--show-example): none to point at
+        return "" if result.exit_code in (ExitCode.OK, ExitCode.USAGE) else f"{w} failed (exit {result.exit_code})"
     if resume_hint:  # a user's program: its run is resumed by id
         if result.exit_code == ExitCode.OK:
             return f"run {r} completed: {result.url}"

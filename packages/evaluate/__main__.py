@@ -49,7 +49,12 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", parents=[common], help="evaluate a run's model; writes eval/<id>.json under the run")
     e.add_argument("--eval-id", default="", help="the record's id (default: a new one)")
     e.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda, cuda:N")
-    e.add_argument("--data", default="", help="LoRA: the text to take held-out blocks from, if not the run's --data")
+    e.add_argument(
+        "--data",
+        default="",
+        help="LoRA: held-out data in the run's format (text: its held-out share; instruction/chat: "
+        "every record, loss on trained tokens); default: the run's own held-out set",
+    )
     e.add_argument("--prompt", action="append", default=[], help="LoRA: a prompt to continue (repeatable)")
     e.add_argument("--prompts", default="", help="LoRA: a file (or gs:// object) of prompts, one a line")
     e.add_argument("--max-new-tokens", type=int, default=0, help="LoRA: tokens sampled per continuation (0: 48)")

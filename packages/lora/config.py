@@ -3,12 +3,40 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 from dtrain.common.config import RunConfig, opt
 
 
 def required(help: str) -> str:  # noqa: A002 - mirrors opt()
     return dataclasses.field(metadata={"help": help})  # type: ignore[return-value]
+
+
+class Switch(str, enum.Enum):
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+class Quant(str, enum.Enum):
+    NONE = "none"
+    NF4 = "4bit"
+
+
+class DataFormat(str, enum.Enum):
+    """What --data holds; auto picks chat for a messages field, instruction for prompt and completion
+    fields (see --prompt-field), else text."""
+
+    AUTO = "auto"
+    TEXT = "text"
+    INSTRUCTION = "instruction"
+    CHAT = "chat"
+
+
+class Sharding(str, enum.Enum):
+    AUTO = "auto"
+    DDP = "ddp"
+    FSDP = "fsdp"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -19,8 +47,28 @@ class LoraConfig:
     model: str = required(
         "Hugging Face model id, a local model directory, or a preset: tiny-llama, tiny-gpt2, qwen2.5-0.5b-shape"
     )
-    data: str = required("text/JSONL file, directory of them, gs:// URL, or a Hugging Face dataset name (online)")
-    text_field: str = opt("text", "the field holding the text in JSONL records")
+    data: str = required(
+        "text, JSONL, JSON array, Parquet or CSV file, a directory of them, gs:// URL, or a Hugging Face "
+        "dataset name (online); docs/fine-tuning.md"
+    )
+    format: DataFormat = opt(DataFormat.AUTO, "auto, text (continued pretraining), instruction or chat")
+    text_field: str = opt("text", "the field holding the text in records (format text)")
+    prompt_field: str = opt("", "instruction data: the prompt's field (default: instruction, prompt or question)")
+    input_field: str = opt("", "instruction data: optional field appended to the prompt (default: input, context)")
+    completion_field: str = opt(
+        "", "instruction data: the completion's field (default: output, completion, response or answer)"
+    )
+    messages_field: str = opt("messages", "chat data: the field holding the list of {role, content} messages")
+    train_on_all: bool = opt(
+        False, "instruction/chat data: loss on every token, not only the completion/assistant turns"
+    )
+    packing: bool = opt(True, "instruction/chat data: pack examples into rows, each attending only to itself")
+    eval_data: str = opt(
+        "",
+        "held-out data (a file, directory or dataset like --data, or a split name of --data's dataset); "
+        "default: --eval-fraction of --data",
+    )
+    show_example: bool = opt(False, "print the first example as trained (trained tokens marked) and exit")
     seq_len: int = opt(256, "tokens per packed block")
     batch_size: int = opt(8, "blocks per optimizer step across all ranks (global), before accumulation")
     grad_accum: int = opt(1, "micro-batches accumulated per optimizer step")
@@ -40,6 +88,21 @@ class LoraConfig:
     eval_every: int = opt(0, "evaluate perplexity every N optimizer steps (0: only at the end)")
     eval_batches: int = opt(0, "cap on evaluation batches (0: the whole held-out split)")
     merge: bool = opt(False, "also write the base model with the adapter merged in, under final/merged")
+    sample_prompts: str = opt(
+        "", "a file of prompts (one a line) to complete greedily after training, into the run's samples.jsonl"
+    )
+    samples: int = opt(
+        0, "without --sample-prompts: complete the prompts of this many held-out examples after training (0: none)"
+    )
+    sample_tokens: int = opt(48, "most new tokens per sample completion")
+    activation_checkpointing: Switch = opt(
+        Switch.AUTO,
+        "recompute each decoder layer's activations in the backward (auto: on when the memory plan needs it)",
+    )
+    quant: Quant = opt(Quant.NONE, "base weights: none, or 4bit (QLoRA: NF4 with double quantization, CUDA GPUs only)")
+    sharding: Sharding = opt(
+        Sharding.AUTO, "ddp (a full base model per GPU), fsdp (FSDP2: shard it), auto (fsdp when the plan says it must)"
+    )
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -49,7 +112,9 @@ class LoraConfig:
         for name in ("seq_len", "batch_size", "grad_accum", "epochs", "lora_r"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "warmup_steps", "eval_every", "eval_batches"):
+        if self.sample_tokens < 1:
+            raise ValueError(f"sample_tokens: must be >= 1, got {self.sample_tokens}")
+        for name in ("max_steps", "warmup_steps", "eval_every", "eval_batches", "samples"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -58,6 +123,13 @@ class LoraConfig:
             raise ValueError(f"eval_fraction: must be in (0, 0.5), got {self.eval_fraction}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout}")
+        self.format = DataFormat(self.format)
+        self.activation_checkpointing = Switch(self.activation_checkpointing)
+        self.quant, self.sharding = Quant(self.quant), Sharding(self.sharding)
+        if self.quant == Quant.NF4 and self.sharding == Sharding.FSDP:
+            raise ValueError(
+                "quant: 4bit with sharding fsdp is not supported; use --quant 4bit with ddp, or fsdp in bf16"
+            )
 
     def model_config(self) -> dict:
         """What fixes the trained weights' shapes and meaning: a checkpoint with other values is refused."""

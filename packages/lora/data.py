@@ -1,15 +1,22 @@
-"""Text for LoRA: read once, tokenised once, packed into fixed-length blocks with no padding (every
-token is a real token), and split into training and held-out blocks deterministically from the seed.
+"""Data for LoRA: read once, tokenised once, and cut into fixed-length rows, split into training and
+held-out rows deterministically from the seed.
 
-`--data` is a text or JSONL file, a directory of them, a gs:// object or prefix, or (online) a
-Hugging Face dataset name. Documents are joined with the tokenizer's end-of-text token and the
+`--data` (and `--eval-data`) is a file, a directory of them, a gs:// object or prefix, or (online) a
+Hugging Face dataset name. Files are plain text (.txt .md .rst .py: one document each) or records:
+JSON Lines (.jsonl), a JSON array or JSON Lines (.json), Parquet (.parquet) and CSV (.csv). Every
+source is read as a list of rows (a dict per record; a plain-text file is one row {text_field: its
+text}), each with a label (`file:line`, `file[index]`) that error messages name.
+
+Plain text (this module): documents are joined with the tokenizer's end-of-text token and the
 stream is cut into blocks of seq_len tokens, as transformers' run_clm example does; the remainder
-shorter than a block is dropped.
+shorter than a block is dropped. Instruction and chat data (dtrain.lora.sft) keep documents apart.
 """
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 import json
 import re
 from pathlib import Path
@@ -22,7 +29,9 @@ from dtrain.common.errors import UserError
 from dtrain.common.storage import is_remote, open_store
 from dtrain.lora.model import ByteTokenizer
 
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl", ".json")
+PLAIN_SUFFIXES = (".txt", ".md", ".rst", ".py")
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+TEXT_SUFFIXES = PLAIN_SUFFIXES + RECORD_SUFFIXES  # what a directory or a bucket prefix is searched for
 
 # Bytes that text does not hold: the C0 controls and DEL, but not the whitespace that text does
 # hold (\t \n \r \f). A file with more than this share of them is refused as binary: ordinary text
@@ -32,10 +41,16 @@ CONTROL_BYTES = bytes([*range(0x00, 0x09), 0x0B, *range(0x0E, 0x20), 0x7F])
 _CONTROL_RE = re.compile(b"[" + re.escape(CONTROL_BYTES) + b"]")
 MAX_CONTROL_FRACTION = 0.30
 
+Row = tuple[str, dict[str, Any]]  # (where it came from, for messages; the record)
+
 
 @dataclasses.dataclass
 class Blocks:
-    train: torch.Tensor  # int64, N x seq_len
+    """Plain text: int64 N x seq_len token blocks. Instruction/chat data (dtrain.lora.sft): int64
+    N x 3 x seq_len, rows of (token ids, labels with -100 where no loss, position ids restarting at
+    each document, -1 on padding)."""
+
+    train: torch.Tensor
     eval: torch.Tensor
     tokens: int  # tokens in the stream before cutting
     documents: int
@@ -61,10 +76,7 @@ def decode_text(name: str, raw: bytes) -> str:
     return text
 
 
-def _records(name: str, raw: bytes, text_field: str) -> list[str]:
-    text = decode_text(name, raw)
-    if not name.endswith((".jsonl", ".json")):
-        return [text]
+def _jsonl_rows(name: str, text: str) -> list[Row]:
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -73,37 +85,85 @@ def _records(name: str, raw: bytes, text_field: str) -> list[str]:
             rec = json.loads(line)
         except ValueError as e:
             raise UserError(f"{name}:{n}: not a JSON record ({e})") from None
-        if not isinstance(rec, dict) or text_field not in rec:
-            fields = ", ".join(rec) if isinstance(rec, dict) else type(rec).__name__
-            raise UserError(f"{name}:{n}: record has no field {text_field!r} (it has: {fields}); pass --text-field")
-        out.append(str(rec[text_field]))
+        if not isinstance(rec, dict):
+            raise UserError(f"{name}:{n}: a JSON {type(rec).__name__}, not a record ({{field: value, ...}})")
+        out.append((f"{name}:{n}", rec))
     return out
 
 
-def read_texts(spec: str, text_field: str) -> list[str]:
-    """Every document named by `spec`, in a fixed order."""
+def _json_rows(name: str, text: str) -> list[Row]:
+    """A .json file: a JSON array of records (Alpaca's layout), else JSON Lines."""
+    if not text.lstrip().startswith("["):
+        return _jsonl_rows(name, text)
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise UserError(f"{name}: not a JSON array of records ({e})") from None
+    bad = next((i for i, r in enumerate(data) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise UserError(f"{name}[{bad}]: a JSON {type(data[bad]).__name__}, not a record ({{field: value, ...}})")
+    return [(f"{name}[{i}]", r) for i, r in enumerate(data)]
+
+
+def _parquet_rows(name: str, raw: bytes) -> list[Row]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"{name}: reading Parquet needs pyarrow: pip install 'dtrain[lora]'") from None
+    try:
+        table = pq.read_table(io.BytesIO(raw))
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file; one line
+        raise UserError(f"{name}: not a readable Parquet file ({str(e).splitlines()[0][:200]})") from None
+    return [(f"{name} row {i}", r) for i, r in enumerate(table.to_pylist())]
+
+
+def _csv_rows(name: str, text: str) -> list[Row]:
+    try:
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        # DictReader's line_num is the line a record ends on; the header is line 1.
+        return [(f"{name}:{reader.line_num}", dict(r)) for r in reader]
+    except csv.Error as e:
+        raise UserError(f"{name}: not readable as CSV ({e})") from None
+
+
+def parse_rows(name: str, raw: bytes, text_field: str) -> list[Row]:
+    """The records of one file, by its suffix; a plain-text file is one record {text_field: text}."""
+    if name.endswith(".parquet"):
+        return _parquet_rows(name, raw)
+    text = decode_text(name, raw)
+    if name.endswith(".jsonl"):
+        return _jsonl_rows(name, text)
+    if name.endswith(".json"):
+        return _json_rows(name, text)
+    if name.endswith(".csv"):
+        return _csv_rows(name, text)
+    return [(name, {text_field: text})]
+
+
+def read_rows(spec: str, text_field: str, split: str = "train") -> list[Row]:
+    """Every record named by `spec`, in a fixed order (`split` is for Hugging Face datasets)."""
     if is_remote(spec):
         store = open_store(spec)
         try:
-            return _records(spec, store.read_bytes(""), text_field)
+            return parse_rows(spec, store.read_bytes(""), text_field)
         except (FileNotFoundError, IsADirectoryError):
             pass
         names = [n for n in store.list("") if n.endswith(TEXT_SUFFIXES)]
         if not names:
             raise UserError(f"--data {spec}: no object there, and no {'/'.join(TEXT_SUFFIXES)} objects under it")
-        return [doc for n in names for doc in _records(store.join(n), store.read_bytes(n), text_field)]
+        return [row for n in names for row in parse_rows(store.join(n), store.read_bytes(n), text_field)]
     path = Path(spec)
     if path.is_file():
-        return _records(str(path), path.read_bytes(), text_field)
+        return parse_rows(str(path), path.read_bytes(), text_field)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
         if not files:
             raise UserError(f"--data {spec}: directory has no {', '.join(TEXT_SUFFIXES)} files")
-        return [doc for f in files for doc in _records(str(f), f.read_bytes(), text_field)]
-    return _hub_dataset(spec, text_field)
+        return [row for f in files for row in parse_rows(str(f), f.read_bytes(), text_field)]
+    return _hub_rows(spec, split)
 
 
-def _hub_dataset(name: str, text_field: str) -> list[str]:
+def _hub_rows(name: str, split: str) -> list[Row]:
     from dtrain.lora.model import hub_reachable
 
     if envmod.offline() or not hub_reachable():
@@ -114,16 +174,42 @@ def _hub_dataset(name: str, text_field: str) -> list[str]:
     try:
         import datasets
     except ImportError:
-        raise UserError(f"--data {name}: not a file; to use Hugging Face datasets: pip install datasets") from None
-    try:
-        ds = datasets.load_dataset(name, split="train")
-    except Exception as e:  # noqa: BLE001 - the hub raises many types; one line for the user
-        raise UserError(f"--data {name}: cannot load it as a dataset: {str(e).splitlines()[0][:200]}") from None
-    if text_field not in ds.column_names:
         raise UserError(
-            f"--data {name}: no column {text_field!r} (columns: {', '.join(ds.column_names)}); pass --text-field"
-        )
-    return [str(t) for t in ds[text_field]]
+            f"--data {name}: not a file; to use Hugging Face datasets: pip install 'dtrain[lora]'"
+        ) from None
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # noqa: BLE001 - the hub raises many types; one line for the user
+        raise UserError(
+            f"--data {name}: cannot load split {split!r} as a dataset: {str(e).splitlines()[0][:200]}"
+        ) from None
+    return [(f"{name}[{split}] row {i}", r) for i, r in enumerate(ds)]
+
+
+def texts_of(rows: list[Row], text_field: str) -> list[str]:
+    """The documents of plain-text data: each row's `text_field`, which must be a string (a list of
+    chat messages is never turned into its repr)."""
+    out = []
+    for where, rec in rows:
+        if text_field not in rec:
+            raise UserError(
+                f"{where}: record has no field {text_field!r} (it has: {', '.join(rec)}); pass --text-field"
+            )
+        value = rec[text_field]
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise UserError(
+                f"{where}: field {text_field!r} holds a {type(value).__name__}, not text: for chat data "
+                "(a list of {role, content} messages) pass --format chat; for instruction data --format instruction"
+            )
+        out.append(value)
+    return out
+
+
+def read_texts(spec: str, text_field: str) -> list[str]:
+    """Every document named by `spec`, in a fixed order."""
+    return texts_of(read_rows(spec, text_field), text_field)
 
 
 def tokenize(tokenizer: Any, texts: list[str]) -> torch.Tensor:
@@ -151,9 +237,9 @@ def pack(stream: torch.Tensor, seq_len: int, eval_fraction: float, seed: int, so
     return Blocks(train=blocks[order[n_eval:]], eval=blocks[order[:n_eval]], tokens=stream.numel(), documents=0)
 
 
-def read_documents(spec: str, text_field: str) -> list[str]:
+def read_documents(spec: str, text_field: str, rows: list[Row] | None = None) -> list[str]:
     """The non-empty documents of `spec`; read before the model loads, so bad data fails fast."""
-    texts = [t for t in read_texts(spec, text_field) if t]
+    texts = [t for t in (texts_of(rows, text_field) if rows is not None else read_texts(spec, text_field)) if t]
     if not texts:
         raise UserError(f"--data {spec} holds no text")
     return texts
@@ -167,8 +253,25 @@ def load_blocks(
     eval_fraction: float,
     seed: int,
     texts: list[str] | None = None,
+    eval_texts: list[str] | None = None,
 ) -> Blocks:
+    """Plain text as blocks; with `eval_texts` (--eval-data), every block of those is held out and
+    every block of `spec` trains."""
     texts = texts if texts is not None else read_documents(spec, text_field)
-    blocks = pack(tokenize(tokenizer, texts), seq_len, eval_fraction, seed, spec)
+    if eval_texts is None:
+        blocks = pack(tokenize(tokenizer, texts), seq_len, eval_fraction, seed, spec)
+    else:
+        train, held = tokenize(tokenizer, texts), tokenize(tokenizer, eval_texts)
+        n, m = train.numel() // seq_len, held.numel() // seq_len
+        if n < 1 or m < 1:
+            which, size = ("--data", train.numel()) if n < 1 else ("--eval-data", held.numel())
+            raise UserError(f"{which} gives {size} tokens: less than one block of --seq-len {seq_len}; lower --seq-len")
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        blocks = Blocks(
+            train=train[: n * seq_len].view(n, seq_len)[order],
+            eval=held[: m * seq_len].view(m, seq_len),
+            tokens=train.numel(),
+            documents=0,
+        )
     blocks.documents = len(texts)
     return blocks

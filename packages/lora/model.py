@@ -139,7 +139,12 @@ def hf_token() -> str | None:
 
 
 def load_base(
-    name: str, dtype: torch.dtype, seed: int, device: torch.device | None = None, d: Dist | None = None
+    name: str,
+    dtype: torch.dtype,
+    seed: int,
+    device: torch.device | None = None,
+    d: Dist | None = None,
+    quantization: Any = None,
 ) -> tuple[torch.nn.Module, Any]:
     """The base causal LM (frozen later by peft) and its tokenizer, the model on `device` (where it was
     made, if None).
@@ -150,7 +155,11 @@ def load_base(
     does not trip the other nodes' collective timeout. A preset is built on the CPU from the seed, then
     moved: the CPU's generator gives the same weights on every machine, which every rank relies on, as
     DDP does not broadcast frozen weights (`dtrain.lora.train.wrap_ddp`); a GPU's would not, since its
-    random kernels' launch shapes depend on the GPU model."""
+    random kernels' launch shapes depend on the GPU model.
+
+    `quantization` (a transformers BitsAndBytesConfig, dtrain.lora.quant) quantizes the linear layers
+    as they are read; a preset is then written to a temporary directory first and read back from
+    it, so it goes through the same quantizing loader as a hub model."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if name in PRESETS:
@@ -159,6 +168,8 @@ def load_base(
         with torch.random.fork_rng(devices=[]):  # the CPU generator only: naming no GPU keeps torch off them
             torch.manual_seed(seed)  # the same base weights on every rank and every resume
             model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        if quantization is not None:
+            return _quantized_preset(model, dtype, device, quantization), ByteTokenizer()
         return (model if device is None else model.to(device)), ByteTokenizer()
     source = "directory" if Path(name).is_dir() else "model id"
     # Without a route to the hub, don't let its client retry for most of a minute: use the cache only.
@@ -169,6 +180,8 @@ def load_base(
         # transformers places the weights on the device as it reads them (through accelerate, a peft
         # dependency); without a device map it would build the whole model in host memory first.
         placement = {"device_map": {"": device}} if device is not None and device.type == "cuda" else {}
+        if quantization is not None:  # bitsandbytes quantizes while placing: a device map always
+            placement = {"device_map": {"": device or torch.device("cpu")}, "quantization_config": quantization}
         try:
             tok = AutoTokenizer.from_pretrained(name, **kw)
             model = AutoModelForCausalLM.from_pretrained(
@@ -189,6 +202,49 @@ def load_base(
     if local or d is None:
         return load(cache_only=local)
     return d.node_first("model download", lambda: load(cache_only=d.local_rank != 0), MODEL_DOWNLOAD_TIMEOUT_S)
+
+
+def _quantized_preset(
+    model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None, quantization: Any
+) -> torch.nn.Module:
+    """A preset's seeded weights read back through transformers' quantizing loader."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory(prefix="dtrain-preset-") as tmp:
+        model.save_pretrained(tmp)
+        loaded = AutoModelForCausalLM.from_pretrained(
+            tmp,
+            dtype=dtype,
+            attn_implementation="sdpa",
+            device_map={"": device or torch.device("cpu")},
+            quantization_config=quantization,
+        )
+    # Not the temporary directory, which the adapter's config would otherwise name as its base.
+    loaded.config._name_or_path = model.config._name_or_path
+    loaded.name_or_path = model.name_or_path
+    return loaded
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer in the backward instead of keeping its activations: transformers'
+    own per-layer checkpointing, non-reentrant (torch.utils.checkpoint's recommended mode: it works
+    with frozen inputs, so the embedding output needs no requires_grad hook, and composes with FSDP2).
+    Only the layer inputs stay between forward and backward. Active in training mode only."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise UserError(
+            f"{type(base).__name__} does not support activation checkpointing: use --activation-checkpointing off"
+        )
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers 5's name; the other is its deprecated alias
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    base.config.use_cache = False
 
 
 def default_targets(model: torch.nn.Module, name: str) -> list[str]:

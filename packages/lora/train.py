@@ -10,8 +10,11 @@ exactly what an unbroken one would have seen.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import logging
 import math
+import os
+import sys
 import tempfile
 import time
 import warnings
@@ -20,17 +23,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.markup import escape
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dtrain.common.config import Precision
-from dtrain.common.errors import Preempted, UserError
+from dtrain.common.errors import ExitCode, Preempted, UserError
 from dtrain.common.precision import check_training
 from dtrain.common.sampling import epoch_order, rank_batch
 from dtrain.common.workload import Context, run_workload
-from dtrain.lora.config import LoraConfig
-from dtrain.lora.data import Blocks, load_blocks, read_documents
+from dtrain.lora import quant as quantmod
+from dtrain.lora import samples, sft, sharding
+from dtrain.lora.config import DataFormat, LoraConfig, Quant, Sharding, Switch
+from dtrain.lora.data import Blocks, Row, load_blocks, read_documents, read_rows
 from dtrain.lora.fused import fuse_model
-from dtrain.lora.model import apply_configured_lora, load_base
+from dtrain.lora.model import apply_configured_lora, enable_activation_checkpointing, load_base
 
 MIN_LR_FRACTION = 0.1
 DEFAULT_WARMUP_FRACTION = 0.03
@@ -51,9 +57,18 @@ def lm_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(input_ids=x, labels=x, use_cache=False).loss
 
 
+def loss_terms(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int | torch.Tensor]:
+    """(loss sum, weight) of a micro-batch: plain-text blocks weigh one each (their mean loss times
+    their count); instruction/chat rows (B x 3 x L, dtrain.lora.sft) by their trained tokens."""
+    if x.dim() == 3:
+        return sft.forward_rows(model, x)
+    return lm_loss(model, x).double() * x.shape[0], x.shape[0]
+
+
 @torch.no_grad()
 def evaluate(ctx: Context, model: torch.nn.Module, blocks: torch.Tensor, micro: int, cap: int) -> dict[str, float]:
-    """Held-out loss and perplexity, each rank taking a contiguous shard, summed across ranks."""
+    """Held-out loss and perplexity, each rank taking a contiguous shard, summed across ranks: the mean
+    over blocks (plain text), or over trained tokens (instruction/chat rows)."""
     d = ctx.d
     model.eval()
     n = blocks.shape[0] if not cap else min(blocks.shape[0], cap * micro * d.world_size)
@@ -61,12 +76,14 @@ def evaluate(ctx: Context, model: torch.nn.Module, blocks: torch.Tensor, micro: 
     # One copy of this rank's blocks to the device and one tensor for the sums, not one of each per
     # batch: from the host's pageable memory each is a copy the CPU waits for.
     mine = blocks[lo:hi].to(d.device)
-    totals = torch.tensor([0.0, hi - lo], dtype=torch.float64, device=d.device)  # loss * blocks, blocks
+    totals = torch.zeros(2, dtype=torch.float64, device=d.device)  # loss * weight, weight
     for i in range(0, hi - lo, micro):
         x = mine[i : i + micro]
         with ctx.precision.autocast():
-            loss = lm_loss(model, x)
-        totals[0] += loss.double() * x.shape[0]
+            loss, weight = loss_terms(model, x)
+        totals[0] += loss.double()
+        totals[1] += weight
+    sharding.join_forwards(model, n, d.world_size, micro, hi - lo, d.device, ctx.precision.autocast)  # FSDP
     if d.backend is not None:
         torch.distributed.all_reduce(totals)
     model.train()
@@ -83,20 +100,28 @@ def train_step(
     scaler: torch.amp.GradScaler,
     micro_batches: list[torch.Tensor],
     max_norm: float,
+    trained_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over `micro_batches`, all-reducing LoRA gradients once, on the last."""
+    """One optimizer step over `micro_batches`, all-reducing LoRA gradients once, on the last.
+
+    Instruction/chat rows hold different numbers of trained tokens, so their loss is the sum over
+    this rank's tokens divided by `trained_tokens`, the whole global batch's (known to every rank from
+    the data, no collective): after the gradient average over ranks that is the mean over every trained
+    token of the step, whatever the split into ranks and micro-batches."""
     loss_sum = torch.zeros((), device=ctx.d.device)
     for k, x in enumerate(micro_batches):
         last = k == len(micro_batches) - 1
-        sync = contextlib.nullcontext() if last or not isinstance(ddp, DDP) else ddp.no_sync()
-        with sync:
+        with sharding.grad_sync(ddp, last):
             with ctx.precision.autocast():
-                loss = lm_loss(ddp, x) / len(micro_batches)
+                if x.dim() == 3:
+                    loss = sft.forward_rows(ddp, x)[0] * ctx.d.world_size / max(trained_tokens, 1)
+                else:
+                    loss = lm_loss(ddp, x) / len(micro_batches)
             scaler.scale(loss).backward()
         loss_sum += loss.detach()
     scaler.unscale_(opt)
     params = [p for p in model.parameters() if p.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    norm = sharding.local(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf")))
     scaler.step(opt)
     scaler.update()
     opt.zero_grad(set_to_none=True)
@@ -126,6 +151,202 @@ def base_dtype(precision: Precision, device: torch.device) -> torch.dtype:
     return {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}.get(precision, torch.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """How the base model is held: 4-bit or not, activation checkpointing, sharded or replicated."""
+
+    quantized: bool
+    checkpointing: bool
+    sharded: bool
+    reason: str  # why, for the run's log
+
+    def describe(self) -> str:
+        parts = ["QLoRA (NF4 base)" if self.quantized else "full-precision base"]
+        parts.append(f"activation checkpointing {'on' if self.checkpointing else 'off'}")
+        parts.append("FSDP2 sharded" if self.sharded else "replicated (DDP)")
+        return ", ".join(parts) + f" ({self.reason})"
+
+
+def plan_needs(
+    cfg: LoraConfig, d: Any, accelerator: str | None = None, usable_gib: float | None = None
+) -> tuple[bool, bool, str]:
+    """(activation checkpointing needed, sharding needed, what decided) for the `auto` settings, from
+    the memory plan (dtrain.lora.plan) of this run on this card: `accelerator` is the card's name
+    (default: torch's name of this process's CUDA GPU), `usable_gib` what its allocator can hand out
+    (default: the card's figure). A run the plan says cannot fit is refused here, in one line, before
+    anything is loaded. Without a plan (the CPU, a card the table does not know, a model the plan cannot
+    read) checkpointing goes on for QLoRA runs (the large models a 4-bit base is for) and nothing is
+    sharded, as the log line says."""
+    from dtrain.common import accelerators
+    from dtrain.lora import plan as lp
+
+    fallback = cfg.quant == Quant.NF4, False
+    if accelerator is None:
+        if d.device.type != "cuda":
+            return *fallback, "no memory plan on the CPU"
+        accelerator = torch.cuda.get_device_name(d.device)
+    if accelerators.by_name(accelerator) is None and not _gcp_card(accelerator):
+        return *fallback, f"no memory plan: {accelerator!r} is not in dtrain's card table"
+    try:
+        shape = lp.read_shape(cfg.model)
+    except UserError as e:
+        return *fallback, f"no memory plan: {e}"
+    world = getattr(d, "world_size", 1)
+    p = lp.plan(
+        shape,
+        accelerator=accelerator,
+        gpus=world,
+        seq_len=cfg.seq_len,
+        batch=max(1, cfg.batch_size // (world * cfg.grad_accum)),
+        lora_rank=cfg.lora_r,
+        precision=cfg.run.precision.value,
+        quant=cfg.quant.value,
+        strategy=cfg.sharding.value,
+        checkpointing=cfg.activation_checkpointing.value,
+        targets=tuple(cfg.target_modules) or lp.LLAMA_TARGETS,
+        usable_gib=usable_gib,
+    )
+    lp.refuse_if_unfit(p)
+    return (
+        p.checkpointing,
+        p.strategy == "fsdp",
+        (f"plan: {p.memory.total / lp.GIB:.1f} of {p.usable / lp.GIB:.1f} GiB per GPU on {p.card_label}"),
+    )
+
+
+def _gcp_card(accelerator: str) -> bool:
+    from dtrain.common import accelerators
+
+    try:
+        accelerators.card(accelerator)
+    except KeyError:
+        return False
+    return True
+
+
+def memory_strategy(cfg: LoraConfig, d: Any, accelerator: str | None = None, usable_gib: float | None = None) -> Memory:
+    """The flags, with `auto` resolved by the plan; refuses in one line what cannot run here or cannot
+    fit (`accelerator`, `usable_gib`: plan_needs')."""
+    if cfg.quant == Quant.NF4:
+        quantmod.require_cuda(d.device)
+    need_ac, need_shard, decided = plan_needs(cfg, d, accelerator, usable_gib)
+    ac = cfg.activation_checkpointing == Switch.ON or (cfg.activation_checkpointing == Switch.AUTO and need_ac)
+    shard = cfg.sharding == Sharding.FSDP or (cfg.sharding == Sharding.AUTO and need_shard)
+    if shard and d.backend is None:
+        shard = False  # one process: nothing to shard across, the same run as DDP's
+    if shard and cfg.quant == Quant.NF4:
+        raise UserError("--quant 4bit cannot be sharded yet: use --sharding ddp (one 4-bit model per GPU)")
+    auto = [n for n, v in (("checkpointing", cfg.activation_checkpointing), ("sharding", cfg.sharding)) if v == "auto"]
+    return Memory(
+        cfg.quant == Quant.NF4, ac, shard, (f"auto: {', '.join(auto)}" if auto else "as flagged") + f"; {decided}"
+    )
+
+
+def build_model(ctx: Context, memory: Memory) -> tuple[torch.nn.Module, Any, list[str], dict[str, int]]:
+    """The base model (4-bit where asked), its LoRA adapter, the CPU fusions, and activation
+    checkpointing: (peft model on the device, tokenizer, LoRA targets, fusion counts)."""
+    cfg, d = ctx.cfg, ctx.d
+    if memory.quantized:
+        compute = quantmod.compute_dtype(d.device)
+        model, tokenizer = load_base(
+            cfg.model, compute, cfg.run.seed, d.device, d, quantization=quantmod.nf4_config(compute)
+        )
+        model = quantmod.prepare(model)
+    else:
+        model, tokenizer = load_base(cfg.model, base_dtype(ctx.precision.mode, d.device), cfg.run.seed, d.device, d)
+    model, targets = apply_configured_lora(model, cfg)
+    if not memory.quantized:  # 4-bit weights were placed as they were read, and peft put LoRA's beside them
+        model.to(d.device)  # peft puts LoRA weights beside their base layer; this catches any it does not
+    fused = fuse_model(model)  # exact regroupings of the stock arithmetic; the stock path where they do not apply
+    if memory.checkpointing:
+        enable_activation_checkpointing(model)
+    ctx.report.info(f"memory: {memory.describe()}")
+    return model, tokenizer, targets, fused
+
+
+def wrap(model: torch.nn.Module, d: Any, memory: Memory) -> torch.nn.Module:
+    """What the training step calls: FSDP2 shards in place, DDP wraps, one process takes the model."""
+    if memory.sharded:
+        return sharding.shard(model, d)
+    return wrap_ddp(model, d) if d.backend else model
+
+
+def merged_copy(ctx: Context, model: Any, memory: Memory, adapter: dict | None) -> torch.nn.Module:
+    """The adapter merged into a fresh copy of the base, read unquantized on the CPU: a 4-bit base
+    would be merged at 4-bit precision and saved as a quantized checkpoint, a sharded one has 1/N of
+    its weights here. A QLoRA run's merge is in bf16 (the issue's "merged bf16 model"); a sharded
+    run's in its training dtype."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    cfg = ctx.cfg
+    weights = sharding.peft_state(model, adapter) if adapter is not None else get_peft_model_state_dict(model)
+    dtype = torch.bfloat16 if memory.quantized else base_dtype(ctx.precision.mode, ctx.d.device)
+    base, _ = load_base(cfg.model, dtype, cfg.run.seed)
+    fresh, _ = apply_configured_lora(base, cfg)
+    set_peft_model_state_dict(fresh, {k: v.to(dtype) for k, v in weights.items()})
+    return fresh.merge_and_unload()
+
+
+@dataclasses.dataclass
+class DataSource:
+    """What --data (and --eval-data) hold, read before the model loads."""
+
+    fields: sft.Fields
+    rows: list[Row]
+    eval_rows: list[Row] | None
+    texts: list[str] | None = None  # plain text
+    eval_texts: list[str] | None = None
+
+
+def read_data(cfg: LoraConfig) -> DataSource:
+    rows = read_rows(cfg.data, cfg.text_field)
+    eval_rows = sft.eval_rows_for(cfg, cfg.text_field)
+    fields = sft.resolve_fields(rows, cfg) if rows else sft.Fields(DataFormat.TEXT)
+    source = DataSource(fields, rows, eval_rows)
+    if fields.format == DataFormat.TEXT:
+        source.texts = read_documents(cfg.data, cfg.text_field, rows)
+        if eval_rows is not None:
+            source.eval_texts = read_documents(cfg.eval_data, cfg.text_field, eval_rows)
+    elif eval_rows is not None and eval_rows:
+        sft.resolve_fields(eval_rows, cfg)  # the same fields, in every held-out record
+    return source
+
+
+def make_blocks(ctx: Context, source: DataSource, model: torch.nn.Module, tokenizer: Any) -> Blocks:
+    """Plain text as today's blocks; instruction/chat data as SFT rows, packed where this model's
+    attention keeps packed documents apart. The first example is shown with its trained tokens marked."""
+    cfg, report = ctx.cfg, ctx.report
+    if source.texts is not None:
+        return load_blocks(
+            cfg.data, cfg.text_field, tokenizer, cfg.seq_len, cfg.eval_fraction, cfg.run.seed,
+            texts=source.texts, eval_texts=source.eval_texts,
+        )  # fmt: skip
+    data = sft.read_sft(cfg, source.rows, source.eval_rows, tokenizer, source.fields)
+    report.info(escape(sft.describe_example(tokenizer, data.train.examples[0])))
+    for enc in (data.train, data.eval):
+        if enc is not None and (notice := sft.dropped_notice(enc, cfg.seq_len)):
+            report.info(escape(notice))
+    packing = cfg.packing
+    if packing:
+        vocab = getattr(model.config, "vocab_size", None) or tokenizer.vocab_size
+        isolated, diff = sft.packing_isolates(model, vocab, ctx.d.device)
+        if not isolated:
+            impl = getattr(model.config, "_attn_implementation", "?")
+            report.info(
+                f"packing off: this model's attention ({impl}) lets packed examples see each other "
+                f"(logits moved by {diff:.3g}); each example gets its own padded row"
+            )
+            packing = False
+    blocks = sft.build_blocks(cfg, data, tokenizer.pad_token_id, packing)
+    trained, real = sft.step_tokens(blocks.train)
+    report.info(
+        f"{source.fields.format.value} data: loss on {'every token' if cfg.train_on_all else 'completions only'}, "
+        f"{trained:,} of {real:,} training tokens trained; {'packed' if packing else 'one example a row'} "
+        f"({real / blocks.train[:, 0].numel():.0%} of row slots hold tokens)"
+    )
+    return blocks
+
+
 def train(ctx: Context) -> dict[str, Any]:
     cfg: LoraConfig = ctx.cfg
     d, report = ctx.d, ctx.report
@@ -135,19 +356,17 @@ def train(ctx: Context) -> dict[str, Any]:
             f"({d.world_size} x {cfg.grad_accum})"
         )
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
+    memory = memory_strategy(cfg, d)  # before anything is loaded: a run that cannot work stops here
 
-    texts = read_documents(cfg.data, cfg.text_field)
-    model, tokenizer = load_base(cfg.model, base_dtype(ctx.precision.mode, d.device), cfg.run.seed, d.device, d)
-    model, targets = apply_configured_lora(model, cfg)
-    model.to(d.device)  # peft puts LoRA weights beside their base layer; this catches any it does not
-    fused = fuse_model(model)  # exact regroupings of the stock arithmetic; the stock path where they do not apply
+    source = read_data(cfg)  # before the model loads, so bad data fails fast
+    prompts = samples.read_prompt_file(cfg.sample_prompts)
+    model, tokenizer, targets, fused = build_model(ctx, memory)
     vocab = getattr(model.config, "vocab_size", None)
-    blocks: Blocks = load_blocks(
-        cfg.data, cfg.text_field, tokenizer, cfg.seq_len, cfg.eval_fraction, cfg.run.seed, texts=texts
-    )
-    if vocab is not None and int(blocks.train.max()) >= vocab:
+    blocks: Blocks = make_blocks(ctx, source, model, tokenizer)
+    ids = blocks.train[:, 0] if blocks.train.dim() == 3 else blocks.train
+    if vocab is not None and int(ids.max()) >= vocab:
         raise UserError(
-            f"the tokenizer produced id {int(blocks.train.max())} but {cfg.model!r} has {vocab} embeddings: "
+            f"the tokenizer produced id {int(ids.max())} but {cfg.model!r} has {vocab} embeddings: "
             "the model directory's tokenizer does not belong to its model"
         )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -170,13 +389,13 @@ def train(ctx: Context) -> dict[str, Any]:
         )
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
     warmup = cfg.warmup_steps or max(1, int(DEFAULT_WARMUP_FRACTION * total))
-    ddp = wrap_ddp(model, d) if d.backend else model
+    ddp = wrap(model, d, memory)
     params = [p for p in model.parameters() if p.requires_grad]
     # The fused kernel updates every LoRA tensor in one pass; torch's CPU default is a per-tensor loop of ~12 ops.
     fused_adam = d.device.type in ("cpu", "cuda")
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused_adam or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, warmup))
-    scaler = ctx.precision.make_scaler()
+    scaler = sharding.grad_scaler(ctx.precision.make_scaler(), memory.sharded)
 
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
@@ -184,8 +403,11 @@ def train(ctx: Context) -> dict[str, Any]:
     metrics: dict[str, float] = {}
     state = ctx.ckpt.load()
     if state is not None:
-        set_peft_model_state_dict(model, state["model"])
-        opt.load_state_dict(state["optimizer"])
+        if memory.sharded:
+            sharding.restore(model, opt, state["model"], state["optimizer"])
+        else:
+            set_peft_model_state_dict(model, state["model"])
+            opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         step = state["step"]
         report.rewind(step)
@@ -194,10 +416,13 @@ def train(ctx: Context) -> dict[str, Any]:
         torch.manual_seed(cfg.run.seed * 1_000_003 + d.rank + 1)  # per-rank dropout streams
 
     def snapshot() -> dict[str, Any]:
+        # Sharded, every rank runs this (the gather is a collective) and rank 0 keeps the result; the
+        # saved form is the same either way, so a sharded run resumes unsharded and the other way round.
         epoch, in_epoch = divmod(step, steps_per_epoch)
+        weights, optim = sharding.snapshot(model, opt) if memory.sharded else (get_peft_model_state_dict(model), None)
         return {
-            "model": get_peft_model_state_dict(model),
-            "optimizer": opt.state_dict(),
+            "model": weights,
+            "optimizer": optim if memory.sharded else opt.state_dict(),
             "scheduler": sched.state_dict(),
             "scaler": scaler.state_dict(),
             "precision": ctx.precision.mode.value,
@@ -213,7 +438,7 @@ def train(ctx: Context) -> dict[str, Any]:
         report.info(f"step 0: eval loss {metrics['eval_loss']:.4f}, perplexity {metrics['eval_perplexity']:.3f}")
     report.start_progress(total, step, "train")
     window = torch.zeros((), device=d.device)
-    window_steps, window_start = 0, time.perf_counter()
+    window_steps, window_tokens, window_start = 0, 0, time.perf_counter()
     perm_epoch = -1
     model.train()
     while step < total:
@@ -222,7 +447,13 @@ def train(ctx: Context) -> dict[str, Any]:
             perm, perm_epoch = epoch_order(blocks.train.shape[0], cfg.run.seed, epoch), epoch
         mine = rank_batch(perm, in_epoch, cfg.batch_size, d.rank, d.world_size)
         batch = blocks.train[mine].to(d.device, non_blocking=True)
-        loss, norm = train_step(ctx, model, ddp, opt, sched, scaler, list(batch.split(micro)), cfg.max_grad_norm)
+        trained = 0
+        if blocks.train.dim() == 3:  # SFT rows: the step's trained and real tokens, over the global batch
+            trained, real = sft.step_tokens(blocks.train[perm[in_epoch * cfg.batch_size :][: cfg.batch_size]])
+            window_tokens += real
+        loss, norm = train_step(
+            ctx, model, ddp, opt, sched, scaler, list(batch.split(micro)), cfg.max_grad_norm, trained
+        )
         step += 1
         window += loss
         window_steps += 1
@@ -230,7 +461,7 @@ def train(ctx: Context) -> dict[str, Any]:
         if step % cfg.run.log_every == 0 or step == total:
             mean_loss = d.all_mean(window / window_steps).item()
             elapsed = time.perf_counter() - window_start
-            tokens = window_steps * cfg.batch_size * cfg.seq_len
+            tokens = window_tokens or window_steps * cfg.batch_size * cfg.seq_len  # SFT: real tokens only
             report.log(
                 step,
                 loss=mean_loss,
@@ -238,13 +469,13 @@ def train(ctx: Context) -> dict[str, Any]:
                 grad_norm=norm.item(),
                 epoch=step / steps_per_epoch,
                 tokens_per_s=tokens / elapsed,
-                samples_per_s=tokens / elapsed / cfg.seq_len,
+                samples_per_s=window_steps * cfg.batch_size / elapsed,
             )
             report.advance(step, f"loss {mean_loss:.4f}")
             check_training(mean_loss, scaler, ctx.precision.mode, step)  # the row above stays, for the record
             metrics["loss"] = mean_loss
             window.zero_()
-            window_steps, window_start = 0, time.perf_counter()
+            window_steps, window_tokens, window_start = 0, 0, time.perf_counter()
 
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == total:
             paused_at = d.synchronize()  # evaluation is not training throughput
@@ -256,10 +487,14 @@ def train(ctx: Context) -> dict[str, Any]:
             )
             window_start += time.perf_counter() - paused_at
         stop = ctx.stop_requested(step)
-        ctx.ckpt.save(step, snapshot, epoch_end=in_epoch + 1 == steps_per_epoch, last=stop or step == total)
+        last = stop or step == total
+        epoch_end = in_epoch + 1 == steps_per_epoch
+        ctx.ckpt.save(step, snapshot, epoch_end=epoch_end, last=last, collective=memory.sharded)
         if stop:
             raise Preempted()
 
+    if "eval_loss" not in metrics:  # resumed at its last step (a finished run): nothing ran to evaluate
+        metrics.update(evaluate(ctx, model, blocks.eval, micro, cfg.eval_batches))
     final = {
         "model": cfg.model,
         "eval_loss": metrics.get("eval_loss"),
@@ -270,22 +505,32 @@ def train(ctx: Context) -> dict[str, Any]:
         "precision": ctx.precision.mode.value,
         "target_modules": targets,
     }
+    adapter = sharding.full_adapter(model) if memory.sharded else None  # a collective: every rank gathers
     if d.is_main:
-        export(ctx, model, tokenizer, cfg.merge)
+        export(ctx, model, tokenizer, cfg.merge, memory, adapter)
+        if memory.sharded:  # generation would need every rank's shards: dtrain eval --prompts does it whole
+            report.info("samples: not written for a sharded run; `dtrain eval RUN --prompts FILE` samples the adapter")
+        else:
+            samples.write(ctx, model, tokenizer, source.fields, prompts, blocks.eval)
     report.info(f"done: eval perplexity {final['eval_perplexity']:.3f}; adapter in {ctx.run.join('final/adapter')}")
     return final
 
 
-def export(ctx: Context, model: Any, tokenizer: Any, merge: bool) -> None:
+def export(
+    ctx: Context, model: Any, tokenizer: Any, merge: bool, memory: Memory | None = None, adapter: dict | None = None
+) -> None:
     """final/adapter in PEFT's own format (adapter_config.json + adapter_model.safetensors), loadable
-    with peft.PeftModel.from_pretrained(base, path); with merge, final/merged as a plain model."""
+    with peft.PeftModel.from_pretrained(base, path); with merge, final/merged as a plain model.
+    `adapter`: a sharded run's LoRA weights gathered whole (sharding.full_adapter), saved in their
+    place; a sharded or 4-bit model is merged into a fresh unquantized copy of the base (merged_copy)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a shard-writing bar in a log file is noise
     with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(f"{tmp}/adapter")
+        model.save_pretrained(f"{tmp}/adapter", **({"state_dict": adapter} if adapter is not None else {}))
         if merge:
-            merged = model.merge_and_unload()
+            rebuild = memory is not None and (memory.sharded or memory.quantized)
+            merged = merged_copy(ctx, model, memory, adapter) if rebuild else model.merge_and_unload()
             merged.save_pretrained(f"{tmp}/merged")
             tokenizer.save_pretrained(f"{tmp}/merged")
         for f in sorted(Path(tmp).rglob("*")):
@@ -296,7 +541,29 @@ def export(ctx: Context, model: Any, tokenizer: Any, merge: bool) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     # transformers 5 warns about its own renamed attributes when peft touches them.
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    # bitsandbytes (imported by peft where installed) says at import, on CPUs with AVX-512 bf16, that an
+    # optional CPU kernel from the hub is missing: nothing a LoRA run uses, and noise in every run's log.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--show-example" in args:  # before any run directory exists: nothing to clean up after a look
+        sys.exit(int(show_example_main(args)))
     run_workload("lora", LoraConfig, train, argv)
+
+
+def show_example_main(argv: list[str]) -> ExitCode:
+    from dtrain.common.metrics import print_error
+    from dtrain.common.workload import resolve_config
+
+    try:
+        cfg, _ = resolve_config("lora", LoraConfig, argv)
+        text = sft.show_example(cfg)
+    except UserError as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print_error(str(e))
+        return e.exit_code
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(text, flush=True)
+    return ExitCode.OK
 
 
 if __name__ == "__main__":
