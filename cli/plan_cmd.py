@@ -11,31 +11,16 @@ import typer
 
 from dtrain.cli import console
 from dtrain.cli import options as o
-
-
-class PlanPrecision(str, enum.Enum):
-    AUTO = "auto"
-    BF16 = "bf16"
-    FP16 = "fp16"
-    FP32 = "fp32"
+from dtrain.common.config import Precision
+from dtrain.lora.config import Sharding, Switch
 
 
 class PlanQuant(str, enum.Enum):
+    """dtrain.lora.config.Quant, plus auto (4bit if only that fits)."""
+
     AUTO = "auto"
     NONE = "none"
     NF4 = "4bit"
-
-
-class PlanStrategy(str, enum.Enum):
-    AUTO = "auto"
-    DDP = "ddp"
-    FSDP = "fsdp"
-
-
-class PlanSwitch(str, enum.Enum):
-    AUTO = "auto"
-    ON = "on"
-    OFF = "off"
 
 
 def plan(
@@ -49,17 +34,15 @@ def plan(
     batch: Annotated[int, typer.Option("--batch", help="sequences per GPU per micro-batch")] = 1,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank")] = 16,
     precision: Annotated[
-        PlanPrecision, typer.Option("--precision", help="auto: bf16 where the card has it, else fp16")
-    ] = PlanPrecision.AUTO,
+        Precision, typer.Option("--precision", help="auto: bf16 where the card has it, else fp16")
+    ] = Precision.AUTO,
     quant: Annotated[
         PlanQuant, typer.Option("--quant", help="base weights: none, 4bit (QLoRA), or auto (4bit if only that fits)")
     ] = PlanQuant.AUTO,
-    strategy: Annotated[
-        PlanStrategy, typer.Option("--strategy", help="ddp, fsdp (sharded), or auto")
-    ] = PlanStrategy.AUTO,
+    strategy: Annotated[Sharding, typer.Option("--strategy", help="ddp, fsdp (sharded), or auto")] = Sharding.AUTO,
     checkpointing: Annotated[
-        PlanSwitch, typer.Option("--activation-checkpointing", help="auto: on when needed")
-    ] = PlanSwitch.AUTO,
+        Switch, typer.Option("--activation-checkpointing", help="auto: on when needed")
+    ] = Switch.AUTO,
     accelerator: Annotated[
         str, typer.Option("--accelerator", help="GCP accelerator type (default: the rules' default)")
     ] = "",
