@@ -20,7 +20,17 @@ from dtrain.common.rundir import read_json
 from dtrain.common.storage import open_store
 
 from .bed import Testbed
-from .test_launch import MNIST, TOTAL_STEPS, bucket, cwd, emulator, job_processes, latest_checkpoint, start
+from .test_launch import (
+    MNIST,
+    TOTAL_STEPS,
+    bucket,
+    cwd,
+    emulator,
+    job_processes,
+    latest_checkpoint,
+    start,
+    wait_for_checkpoint,
+)
 
 pytestmark = pytest.mark.root
 __all__ = ["cwd", "emulator"]  # module-scoped fixtures, shared with test_launch's way of using the bed
@@ -37,17 +47,7 @@ def test_frozen_worker_is_found_named_stopped_and_the_job_resumes(cwd: Path, emu
     p = start(cwd, emulator, *MNIST, "--output", out, "--checkpoint-every", "20", "--max-restarts", "1")
     pid = None
     try:
-        run_url, deadline = None, time.monotonic() + 240
-        while time.monotonic() < deadline:
-            files = open_store(out).list("")
-            if files:
-                run_url = f"{out}/{files[0].split('/')[0]}"
-                if latest_checkpoint(run_url) >= 20:
-                    break
-            assert p.poll() is None, p.stdout.read()
-            time.sleep(0.5)
-        else:
-            pytest.fail("no checkpoint at step 20 within 240 s")
+        run_url = wait_for_checkpoint(p, out, 20)
         ckpt = latest_checkpoint(run_url)
         workers = job_processes(testbed, workers_only=True)["h1"]
         assert len(workers) == 2, workers

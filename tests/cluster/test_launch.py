@@ -122,6 +122,20 @@ def latest_checkpoint(url: str) -> int:
     return found.step if found is not None else -1
 
 
+def wait_for_checkpoint(p: subprocess.Popen, out: str, step: int, timeout: float = 240) -> str:
+    """The run's URL under `out` once its checkpoint at `step` (or later) is complete; the job must keep running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = open_store(out).list("")
+        if files:
+            run_url = f"{out}/{files[0].split('/')[0]}"
+            if latest_checkpoint(run_url) >= step:
+                return run_url
+        assert p.poll() is None, p.stdout.read()
+        time.sleep(0.5)
+    pytest.fail(f"no checkpoint at step {step} within {timeout:.0f} s")
+
+
 @pytest.mark.slow  # 36 s; the default suite keeps a two-host run in test_ctrl_c_leaves_no_process_on_any_host
 def test_two_hosts_two_processes_train_to_the_bucket(cwd: Path, emulator: str, testbed: Testbed) -> None:
     out = bucket(emulator)
@@ -153,18 +167,7 @@ def test_worker_killed_mid_run_recovers_from_last_checkpoint(cwd: Path, emulator
     out = bucket(emulator)
     p = start(cwd, emulator, *MNIST, "--output", out, "--checkpoint-every", "20", "--max-restarts", "2")
     try:
-        run_url = None
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            files = open_store(out).list("")
-            if files:
-                run_url = f"{out}/{files[0].split('/')[0]}"
-                if latest_checkpoint(run_url) >= 20:
-                    break
-            assert p.poll() is None, p.stdout.read()
-            time.sleep(0.5)
-        else:
-            pytest.fail("no checkpoint at step 20 within 240 s")
+        run_url = wait_for_checkpoint(p, out, 20)
         killed_at_ckpt = latest_checkpoint(run_url)
         workers = job_processes(testbed, workers_only=True)["h1"]
         assert len(workers) == 2, workers
