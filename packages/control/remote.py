@@ -6,7 +6,8 @@ The steps, each failing with a one-line error that names the node:
    (synced mode: the node's `python` must have torch and the workload's libraries). In container mode
    (an `image`) only the node agent is copied (standard library only; the node's `python` runs it),
    `docker` is checked on every node and the image pulled on all of them at once, and the job runs as
-   `docker run --network host <image> <torchrun args>`; the rest is the same;
+   `docker run --network host <image> python3 -m dtrain.common.nodeagent run`: an agent inside the container
+   runs torchrun and watches its ranks for hangs (its spec travels by name); the rest is the same;
 3. ask each node for its Python, torch, CPUs and GPUs (nodeagent info); refuse mismatched versions
    (synced mode: in container mode the image fixes them);
 4. check every worker can open a TCP connection to the master's rendezvous port;
@@ -49,7 +50,7 @@ from typing import IO, Any
 
 from dtrain.common.errors import ExitCode, UserError
 from dtrain.common.metrics import PROGRESS_PREFIX
-from dtrain.common.nodeagent import CONTAINER_MOUNTS, CONTROL_PREFIX, job_container_name
+from dtrain.common.nodeagent import CONTAINER_MOUNTS, CONTROL_PREFIX, INNER_SPEC_ENV, job_container_name
 from dtrain.common.storage import Store, is_remote
 from dtrain.control.cluster import Cluster, Node
 from dtrain.control.events import Events, Handle, Stop
@@ -399,6 +400,11 @@ def job_spec(
     builtin = [[f"runs/{run_id}", f"/runs/{run_id}", "rw"], *map(list, CONTAINER_MOUNTS)]
     # A path the user named wins over a built-in mount at the same place (docker refuses duplicates).
     mounts = [m for m in builtin if m[1] not in named] + [[p, p, mode] for p, mode in sorted(named.items())]
+    # An agent inside the container runs torchrun, as it does a user's program there (nodeagent.program_container):
+    # it sees the ranks' processes and heartbeats, so a hang is found and its stacks dumped in the image too. Its
+    # spec travels by name, like the job's environment.
+    inner = {"argv": ["python3", "-m", "dtrain.common.launch", *torchrun], "env": {}, "grace_s": SHUTDOWN_GRACE_S,
+             "hang": common["hang"]}  # fmt: skip
     container = {
         "image": cluster.image,
         "name": container_name(run_id, node),
@@ -407,8 +413,9 @@ def job_spec(
         "cwd": f"/runs/{run_id}",
         "mounts": mounts,
         "gpus": gpus > 0,
-        "args": torchrun,
+        "args": ["python3", "-m", "dtrain.common.nodeagent", "run", "--spec-env", INNER_SPEC_ENV],
     }
+    common["env"] = {**env, INNER_SPEC_ENV: json.dumps(inner)}
     return {"argv": None, **common, "container": container}
 
 
@@ -678,9 +685,21 @@ class Job:
         )
         facts = {"node": name, "rank": ev.get("rank"), "step": ev.get("step"), "age_s": ev.get("age_s"),
                  "timeout_s": ev.get("timeout_s"), "state": ev.get("state"), "stacks": where}  # fmt: skip
+        self.hang["where"] = where
         self.events.emit("hang", line, **facts)
         self._record("hang", line, **facts)
         self._stop_for_hang(name)
+
+    def hang_error(self) -> str:
+        """What the run's status.json says of a job stopped for a hang ("" if none was found)."""
+        h = self.hang
+        if h is None:
+            return ""
+        if "silent_s" in h:
+            return f"hung: the agent on {h['node']} printed nothing for {float(h['silent_s']):.0f} s"
+        since = "before its first step" if h.get("step") is None else f"since step {h['step']}"
+        return (f"hung: no progress for {float(h.get('age_s') or 0):.0f} s on {h['node']} rank {h.get('rank')} "
+                f"{since}; stacks in {h.get('where', 'hangs/')}")  # fmt: skip
 
     def _on_alive(self, name: str, ev: dict[str, Any]) -> None:
         from dtrain.common.progress import stragglers

@@ -179,7 +179,7 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
     exclude = sync_excludes(job, t.run.url)
     archive, digest = code_archive()  # in container mode too: the agent inside, the SDK and the mirror
     logs = LogFiles(t.run_id, t.run)
-    code = int(ExitCode.FAILURE)
+    code, hung = int(ExitCode.FAILURE), ""
     terminated = False
     attempt = 0
     try:
@@ -243,6 +243,7 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
                 )
                 running = Job(ssh, cluster, t.run_id, specs, logs, events=events, handle=handle, tail=8)
                 code = running.run()
+                hung = running.hang_error() if code == int(ExitCode.HUNG) else ""
                 terminated = terminated or running.terminated
                 for node in cluster.nodes:
                     logs.write(node.name, f"{JOB_ENDED} (exit {running.codes.get(node.name, code)})")
@@ -267,7 +268,7 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
 
                 st = read_json(t.run, "status.json") or {}
                 write_json(t.run, "status.json", {**st, "starts": t.restarts + attempt + 1})
-            record_end(t, code)
+            record_end(t, code, hung)
     return code
 
 

@@ -214,6 +214,10 @@ def test_launcher_saves_the_stacks_in_the_run_names_the_node_and_stops_every_nod
     rows = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert [(r["event"], r["node"], r["rank"]) for r in rows] == [("hang", "n1", "1")]
     assert job.first_failure == ("n1", 4)
+    # What the run's status.json says of it (userjob.record_end, remote.outcome): the hang, not a crash.
+    assert job.hang_error().startswith("hung: no progress for "), job.hang_error()
+    assert job.hang_error().endswith(f" on n1 rank 1 since step {hang.data['step']}; stacks in "
+                                     f"{run.join('hangs/n1-rank1.txt')}")  # fmt: skip
     for pid in (victim, survivor):
         assert not Path(f"/proc/{pid}").exists() or _zombie(pid)
 
@@ -238,6 +242,7 @@ def test_launcher_shows_a_straggler_and_takes_a_silent_agent_for_a_hung_node(tmp
     assert box == [4], (box, job.output[-10:])
     (hang,) = events.of("hang")
     assert hang.message.startswith("dtrain: hang on n1: its agent has printed nothing for "), hang.message
+    assert job.hang_error().startswith("hung: the agent on n1 printed nothing for "), job.hang_error()
     assert time.monotonic() - t0 < 15
     with contextlib.suppress(ProcessLookupError):
         os.kill(_pid_of(job, "n1"), signal.SIGKILL)  # the frozen node's own job: out of the launcher's reach

@@ -393,3 +393,45 @@ def test_a_users_script_in_the_image_killed_mid_run_resumes_from_its_own_checkpo
     assert "checkpoint directory restored from the run" in resumed.stdout
     assert re.search(r"final weights (\[.*\])", resumed.stdout).group(1) == expected.group(1)
     assert no_containers_within(bed, 5) == {"h0": [], "h1": []}
+
+
+def test_a_frozen_worker_in_the_image_is_found_and_the_job_resumes(bed: dict) -> None:
+    """A built-in's rank frozen inside its container (SIGSTOP from the host, as a GPU or NCCL hang looks): the
+    agent inside the container sees its ranks, dumps the stuck one's stacks into the run, the job stops on both
+    hosts and, with --max-restarts 1, trains again from its last complete checkpoint to the end."""
+    from cluster.test_launch import job_processes, latest_checkpoint, wait_for_checkpoint
+
+    from dtrain.common import progress
+
+    out = bucket(bed["emulator"])
+    p = start(bed, *MNIST, "--output", out, "--image", bed["image"], "--checkpoint-every", "20", "--max-restarts", "1")
+    pid = None
+    try:
+        run_url = wait_for_checkpoint(p, out, 20)
+        ckpt = latest_checkpoint(run_url)
+        (worker,) = job_processes(bed["tb"], workers_only=True)["h1"]  # --nproc 1: one rank on h1
+        pid = int(worker.split()[0])
+        rank = progress._rank_of(pid)
+        os.kill(pid, signal.SIGSTOP)
+        frozen_at = time.time()
+        text, _ = p.communicate(timeout=400)
+    finally:
+        if p.poll() is None:
+            if pid:
+                os.kill(pid, signal.SIGCONT)
+            p.kill()
+    assert p.returncode == 0, text[-4000:]
+    hang = [ln for ln in text.splitlines() if ln.startswith("dtrain: hang on ")]
+    assert len(hang) == 1 and hang[0].startswith(f"dtrain: hang on h1 rank {rank}: no progress for "), text[-4000:]
+    run = open_store(run_url)
+    stack = run.read_bytes(f"hangs/h1-rank{rank}.txt").decode()
+    assert "mnist/train.py" in stack, stack  # the image's code, where the frozen rank was
+    events = [json.loads(x) for x in run.read_bytes("events.jsonl").decode().splitlines() if x.strip()]
+    (found,) = [e for e in events if e.get("event") == "hang"]
+    resumed = [e for e in events if e.get("event") == "resumed" and e["time"] > found["time"]]
+    assert resumed and resumed[0]["step"] >= ckpt, events
+    status = read_json(run, "status.json")
+    assert status["state"] == "completed" and status["result"]["steps"] == STEPS, status
+    assert no_containers_within(bed, 10) == {"h0": [], "h1": []}
+    print(f"\ncontainer mode: freeze to detection {found['time'] - frozen_at:.1f} s, "
+          f"to training again {resumed[0]['time'] - frozen_at:.1f} s")  # fmt: skip

@@ -4,13 +4,14 @@ errors. The real runs are in test_container_mode.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from runs import cli, isolated_env
 
 from dtrain.common.errors import ExitCode, UserError
-from dtrain.common.nodeagent import container_argv
+from dtrain.common.nodeagent import INNER_SPEC_ENV, container_argv
 from dtrain.control.backends.hosts import hosts_cluster
 from dtrain.control.cluster import Cluster, Node
 from dtrain.control.remote import container_name, job_spec, node_paths
@@ -37,9 +38,15 @@ def test_job_spec_in_container_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s["argv"] is None and s["env"]["HF_TOKEN"] == "hf_secret_value"
     assert c["image"] == "reg.example/p/dtrain-train:src-0123456789ab"
     assert c["name"] == "dtrain-mnist-20260101-000000-abcd-n0" and c["docker"] == ["sudo", "docker"]
-    # torchrun's own arguments: the image's entry point is torchrun (dtrain.common.launch).
-    assert c["args"][:2] == ["--nnodes", "2"] and c["args"][-4:] == ["-m", "dtrain.mnist.train", "--epochs", "1"]
-    assert "--local-addr" in c["args"] and "10.0.0.10" in c["args"] and "is_host=1,join_timeout=120" in c["args"]
+    # An agent inside the container runs torchrun (dtrain.common.launch) and watches its ranks for hangs; its
+    # spec comes by name, like the job's environment, and holds no value of that environment.
+    assert c["args"] == ["python3", "-m", "dtrain.common.nodeagent", "run", "--spec-env", INNER_SPEC_ENV]
+    inner = json.loads(s["env"][INNER_SPEC_ENV])
+    torchrun = inner["argv"][3:]
+    assert inner["argv"][:3] == ["python3", "-m", "dtrain.common.launch"] and inner["env"] == {}
+    assert inner["hang"] == {"timeout_s": None} and "hf_secret_value" not in s["env"][INNER_SPEC_ENV]
+    assert torchrun[:2] == ["--nnodes", "2"] and torchrun[-4:] == ["-m", "dtrain.mnist.train", "--epochs", "1"]
+    assert "--local-addr" in torchrun and "10.0.0.10" in torchrun and "is_host=1,join_timeout=120" in torchrun
     assert c["cwd"] == "/runs/mnist-20260101-000000-abcd"
     assert ["runs/mnist-20260101-000000-abcd", "/runs/mnist-20260101-000000-abcd", "rw"] in c["mounts"]
     assert ["/data/fmnist", "/data/fmnist", "ro"] in c["mounts"] and ["hf-cache", "/hf-cache", "rw"] in c["mounts"]
@@ -47,7 +54,7 @@ def test_job_spec_in_container_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     # Synced mode is unchanged: the node's python runs torchrun from the synced code.
     synced = spec(0, image="")
     assert "container" not in synced and synced["argv"][:3] == ["python3", "-m", "dtrain.common.launch"]
-    assert synced["argv"][3:] == c["args"]
+    assert synced["argv"][3:] == torchrun
 
 
 def test_docker_run_line_carries_secrets_by_name_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
