@@ -131,6 +131,8 @@ def jobs(
 
     c = _cluster(cluster)
     rows = [r.as_dict() for r in list_jobs(c, all_jobs=all_jobs, accept_new_host_keys=accept_new_host_keys)]
+    for r in rows:
+        r.setdefault("stragglers", "")  # "h1 rank 1 (2.3x)": ranks much slower than the others ("" for none)
     if as_json:
         print(json.dumps(rows))
         return
@@ -167,12 +169,14 @@ def print_service(cluster: Any, accept_new_host_keys: bool = False) -> None:
 
 
 # `dtrain jobs`' columns in the order shown, and the order they are given up when the terminal is too narrow
-# for all (as squeue's and `sky status`' default views keep a few): job, state and run always stay.
-JOB_COLUMNS = ("job", "name", "workload", "state", "nodes", "submitted", "started", "duration", "node-hours",
-               "$ est.", "run", "restarts", "last metric")  # fmt: skip
+# for all (as squeue's and `sky status`' default views keep a few): job, state and run always stay. Stragglers
+# come first of the rest, and only when a job has one; where even they do not fit, its state says "straggler".
+JOB_COLUMNS = ("job", "name", "workload", "state", "stragglers", "nodes", "submitted", "started", "duration",
+               "node-hours", "$ est.", "run", "restarts", "last metric")  # fmt: skip
 KEPT = ("job", "state", "run")
-BY_PRIORITY = ("duration", "last metric", "nodes", "name", "restarts", "started", "workload", "$ est.", "node-hours",
-               "submitted")  # fmt: skip
+BY_PRIORITY = ("stragglers", "duration", "last metric", "nodes", "name", "restarts", "started", "workload", "$ est.",
+               "node-hours", "submitted")  # fmt: skip
+STRAGGLER_MARK = " (straggler)"  # a job's state when the stragglers column does not fit
 
 
 def _cells(r: dict[str, Any]) -> dict[str, tuple[str, str]]:
@@ -190,10 +194,11 @@ def _cells(r: dict[str, Any]) -> dict[str, tuple[str, str]]:
         "duration": r["duration"] or "-",
         "node-hours": f"{r['node_hours']:.2f}", "$ est.": "-" if r["usd"] is None else f"{r['usd']:.2f}",
         "run": r["run_id"], "restarts": str(r["restarts"]), "last metric": _metric(r["last_metric"]),
+        "stragglers": r.get("stragglers") or "-",
     }  # fmt: skip
-    return {
-        k: (v, f"[{colour}]{console.escape(v)}[/]" if k == "state" else console.escape(v)) for k, v in plain.items()
-    }
+    colours = {"state": colour, "stragglers": "yellow"}
+    return {k: (v, f"[{colours[k]}]{console.escape(v)}[/]" if k in colours else console.escape(v))
+            for k, v in plain.items()}  # fmt: skip
 
 
 def _short_time(text: str) -> str:
@@ -212,9 +217,16 @@ def jobs_table(rows: list[dict[str, Any]], cluster: str, width: int) -> tuple[An
     def cost(col: str) -> int:  # its widest cell or header, its padding (1 each side) and a border
         return max(len(col), *(len(c[col][0]) for c in cells)) + 3
 
+    slow = [c for c in cells if c["stragglers"][0] != "-"]
+    candidates = [col for col in BY_PRIORITY if col != "stragglers" or slow]  # no column of dashes
+    if slow and 1 + sum(cost(col) for col in (*KEPT, "stragglers")) > width:
+        candidates.remove("stragglers")
+        for c in slow:
+            plain, styled = c["state"]
+            c["state"] = (plain + STRAGGLER_MARK, styled + f"[yellow]{STRAGGLER_MARK}[/]")
     used = 1 + sum(cost(col) for col in KEPT)
     shown = set(KEPT)
-    for col in BY_PRIORITY:
+    for col in candidates:
         if used + cost(col) <= width:
             shown.add(col)
             used += cost(col)
@@ -224,7 +236,7 @@ def jobs_table(rows: list[dict[str, Any]], cluster: str, width: int) -> tuple[An
         table.add_column(col, no_wrap=col != "last metric")
     for c in cells:
         table.add_row(*(c[col][1] for col in columns))
-    return table, [col for col in JOB_COLUMNS if col not in shown]
+    return table, [col for col in JOB_COLUMNS if col not in shown and (col != "stragglers" or slow)]
 
 
 def _colour(state: str) -> str:

@@ -33,9 +33,11 @@ LIST_KEYS = (
     "world_size",
     "url",
     "error",
+    "stragglers",
 )
 # A run id is one path segment: what run_location makes, or a name a person gave a directory.
 RUN_ID_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+HANG_STACK_CHARS = 200_000  # of a hung rank's stacks a page shows (faulthandler's are a few KiB a thread)
 REMOTE_READERS = 16  # parallel reads of a bucket's runs: each is an HTTP round trip
 
 
@@ -129,6 +131,7 @@ def _summary(root: Store, name: str) -> dict[str, Any]:
         "exit_code": status.get("exit_code"),
         "error": status.get("error"),
         "skipped_metric_lines": len(metrics.skipped),
+        "stragglers": current_stragglers(run, state),
     }
     with _summaries_lock:
         _summaries[run.url] = _Cached(status_bytes, row)
@@ -179,6 +182,65 @@ def best_metric(rows: list[dict[str, Any]]) -> tuple[str | None, float | None]:
         return "eval_accuracy", max(acc)
     loss = [r["eval_loss"] for r in rows if isinstance(r.get("eval_loss"), (int, float))]
     return ("eval_loss", min(loss)) if loss else (None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# stragglers: the ranks the launcher found much slower than the others (events.jsonl's "straggler" rows)
+
+# Rows after which an earlier straggler no longer holds: a new attempt starts measuring afresh (a restart
+# after a hang, a resume), and its launcher reports a straggler again only if there still is one.
+STRAGGLERS_CLEARED_BY = frozenset({"started", "hang"})
+
+
+@dataclasses.dataclass
+class _EventsSeen:
+    lines: int
+    offset: int
+    stragglers: dict[str, float]
+
+
+_stragglers_seen: dict[str, _EventsSeen] = {}
+_stragglers_lock = threading.Lock()
+
+
+def current_stragglers(run: Store, state: str | None = None) -> dict[str, float]:
+    """The run's stragglers now, {"<node> rank <r>": times slower than the others' median step}, from the
+    last "straggler" row of its events.jsonl ({} in a later one: none any more); {} unless the run is
+    running (`state`, if the caller has read it). Each run's events are read from where the last call
+    stopped (read_jsonl's cursor), so a dashboard asking every second reads only what was appended."""
+    if (state if state is not None else read_status(run)["state"]) != "running":
+        return {}
+    with _stragglers_lock:
+        seen = _stragglers_seen.get(run.url) or _EventsSeen(0, 0, {})
+    page = read_jsonl(run, EVENTS, seen.lines, seen.offset)
+    found = {} if page.reset else seen.stragglers
+    for row in page.rows:
+        if row.get("event") == "straggler":
+            found = _straggler_ratios(row.get("stragglers"))
+        elif row.get("event") in STRAGGLERS_CLEARED_BY:
+            found = {}
+    with _stragglers_lock:
+        _stragglers_seen[run.url] = _EventsSeen(page.lines, page.offset, found)
+    return dict(found)
+
+
+def _straggler_ratios(value: Any) -> dict[str, float]:
+    """A straggler row's {"<node> rank <r>": ratio}, keeping only well-formed entries (a row is data a
+    launcher wrote, never trusted to be whole)."""
+    if not isinstance(value, dict):
+        return {}
+    out = {}
+    for name, ratio in value.items():
+        if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio > 0:
+            out[str(name)] = round(float(ratio), 2)
+    return out
+
+
+def stragglers_label(stragglers: dict[str, float]) -> str:
+    """Stragglers as people read them, slowest first: "h1 rank 1 (2.3x), h0 rank 3 (1.6x)"; "" for none.
+    The pages write them so (static/run.js too), with one decimal as the launcher's message has it."""
+    ranked = sorted(stragglers.items(), key=lambda kv: (-kv[1], kv[0]))
+    return ", ".join(f"{name} ({ratio:.1f}x)" for name, ratio in ranked)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,6 +380,21 @@ def checkpoints(run: Store) -> list[dict[str, Any]]:
                 "latest": name == latest,
             }
         )
+    return out
+
+
+def hang_stacks(run: Store) -> list[dict[str, Any]]:
+    """The Python stacks of the ranks found hung, as the launcher saved them into the run
+    (hangs/<node>-rank<r>.txt), by name: [{"name", "text", "bytes"}], each text cut at HANG_STACK_CHARS."""
+    out = []
+    names = [p for p in run.list("hangs") if p.startswith("hangs/") and p.endswith(".txt") and p.count("/") == 1]
+    for path in sorted(names):
+        try:
+            data = run.read_bytes(path)
+        except FileNotFoundError:
+            continue
+        out.append({"name": path.split("/", 1)[1], "text": data.decode(errors="replace")[:HANG_STACK_CHARS],
+                    "bytes": len(data)})  # fmt: skip
     return out
 
 

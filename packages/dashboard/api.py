@@ -1,6 +1,6 @@
-"""The REST API, /api/v1: runs, their metrics, events and logs; the cluster's nodes and GPUs; evals; the
-cluster's Slurm jobs (list, submit, cancel). Each endpoint is one call into dtrain.control, as the CLI
-makes it.
+"""The REST API, /api/v1: runs (with their stragglers), their metrics, events, logs and hung ranks'
+stacks; the cluster's nodes and GPUs; evals; the cluster's Slurm jobs (list, submit, cancel). Each
+endpoint is one call into dtrain.control, as the CLI makes it.
 
 Errors are {"detail": "..."}: 400 for a bad run id, value or request (a cluster without Slurm, an unknown
 setting), 404 for an unknown run (or one without node logs), 401 without the token on a non-local bind."""
@@ -36,6 +36,9 @@ def list_runs(request: Request, query: Annotated[table.Query, Depends(table.quer
 
 @router.get("/runs/{run_id}", summary="One run: its table row, config, status and checkpoints")
 def run(request: Request, run_id: str) -> dict[str, Any]:
+    """`summary` is the run's row of GET /runs. Its `stragglers` are the ranks the launcher finds much
+    slower than the others now ({"<node> rank <r>": times the others' median step}; {} when none or
+    when the run is not running): shown, never stopped. They come from the run's `straggler` events."""
     return runs.run_detail(_dash(request).output, run_id)
 
 
@@ -54,6 +57,13 @@ def metrics(
 @router.get("/runs/{run_id}/events", summary="A run's events (started, checkpoint, preempted, ...)")
 def events(request: Request, run_id: str, after_line: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
     return runs.read_events(_dash(request).output, run_id, after_line=after_line).as_dict()
+
+
+@router.get("/runs/{run_id}/hangs", summary="The Python stacks of a run's ranks that hung")
+def hangs(request: Request, run_id: str) -> dict[str, Any]:
+    """{"hangs": [{"name": "<node>-rank<r>.txt", "text", "bytes"}]}: what the launcher saved into the run
+    (hangs/) when it found a rank making no progress; the run's `hang` event names the one that hung."""
+    return {"hangs": runs.hang_stacks(runs.open_run(_dash(request).output, run_id))}
 
 
 @router.get("/runs/{run_id}/checkpoints", summary="A run's checkpoints, oldest first")

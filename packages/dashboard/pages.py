@@ -50,7 +50,11 @@ def _best(row: dict[str, Any]) -> str:
     return best_label(row)
 
 
-templates.env.filters.update(duration=_duration, when=_when, best=_best)
+def _stragglers(stragglers: dict[str, float] | None) -> str:
+    return runs.stragglers_label(stragglers or {}) or "none"
+
+
+templates.env.filters.update(duration=_duration, when=_when, best=_best, stragglers=_stragglers)
 
 
 def render(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
@@ -100,6 +104,7 @@ def run_page(request: Request, run_id: str) -> HTMLResponse:
         row=detail["summary"],
         live=live,
         events=events.rows,
+        hangs=runs.hang_stacks(runs.open_run(output, run_id)),
         done=detail["summary"]["status"] in runs.DONE_STATES,
     )
 

@@ -25,7 +25,7 @@ DEFAULT_SORT = "started"
 class Query:
     status: str = ""  # one state, e.g. running
     workload: str = ""
-    q: str = ""  # a word in the run id, workload, status, hosts or error
+    q: str = ""  # a word in the run id, workload, status, hosts, error or stragglers ("straggler": any)
     sort: str = DEFAULT_SORT
     desc: bool = True
 
@@ -59,6 +59,7 @@ def select(rows: list[dict[str, Any]], query: Query) -> list[dict[str, Any]]:
 
 def _text(row: dict[str, Any]) -> str:
     parts = [row["run_id"], row.get("workload"), row.get("status"), row.get("error"), *row.get("hosts", [])]
+    parts += [f"straggler {name}" for name in row.get("stragglers") or {}]  # q=straggler finds the runs with one
     return " ".join(str(p) for p in parts if p).lower()
 
 

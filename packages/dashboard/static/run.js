@@ -20,6 +20,20 @@
   };
   const when = (t) => (typeof t === "number" ? new Date(t * 1000).toISOString().slice(0, 19).replace("T", " ") : "");
 
+  // Python's "{:.1f}", as the server and the launcher's messages write a ratio: toFixed rounds the exact
+  // value as Python does, except an exact half (x.25, x.75: a quarter), which Python takes to the even tenth.
+  const tenths = (r) => {
+    if (!Number.isInteger(r * 4) || (r * 4) % 2 === 0) return r.toFixed(1);
+    const n = Math.floor(r * 10);
+    return ((n % 2 ? n + 1 : n) / 10).toFixed(1);
+  };
+  // As the server writes them (runs.stragglers_label): slowest first, "h1 rank 1 (2.3x), ...".
+  const stragglers = (found) =>
+    Object.entries(found || {})
+      .sort((a, b) => b[1] - a[1] || (a[0] < b[0] ? -1 : a[0] > b[0] ? 1 : 0))
+      .map(([name, ratio]) => `${name} (${tenths(ratio)}x)`)
+      .join(", ");
+
   function showSkipped() {
     const box = document.getElementById("skipped");
     if (!skipped.size) return;
@@ -32,10 +46,32 @@
     const body = document.querySelector("#events-table tbody");
     for (const e of events) {
       const tr = body.insertRow();
+      tr.className = `event-${e.event}`;
       for (const v of [when(e.time), e.step ?? "", e.event ?? "", e.message ?? ""]) tr.insertCell().textContent = v;
       tr.cells[1].className = "num";
     }
     if (events.length) document.getElementById("events-empty").hidden = true;
+    if (events.some((e) => e.event === "hang")) showHangs();
+  }
+
+  // A hung rank's stacks are in the run before its "hang" event is: fetched when one arrives.
+  async function showHangs() {
+    const answer = await fetch(`/api/v1/runs/${encodeURIComponent(data.run_id)}/hangs`);
+    if (!answer.ok) return;
+    const list = document.getElementById("hangs-list");
+    list.replaceChildren();
+    for (const h of (await answer.json()).hangs) {
+      const box = document.createElement("details");
+      box.className = "hang";
+      box.open = true;
+      const summary = box.appendChild(document.createElement("summary")).appendChild(document.createElement("code"));
+      summary.textContent = `hangs/${h.name}`;
+      const pre = box.appendChild(document.createElement("pre"));
+      pre.className = "logs";
+      pre.textContent = h.text;
+      list.appendChild(box);
+    }
+    document.getElementById("hangs").hidden = !list.children.length;
   }
 
   function addLogs(lines) {
@@ -52,6 +88,10 @@
     status.className = `status ${row.status}`;
     document.getElementById("fact-step").textContent = row.last_step ?? "-";
     document.getElementById("fact-duration").textContent = duration(row.duration_s);
+    const slow = document.getElementById("fact-stragglers");
+    const found = row.status === "running" ? stragglers(row.stragglers) : "";
+    slow.textContent = found || (row.status === "running" ? "none" : "-");
+    slow.className = found ? "straggler" : "";
     if (row.best_value !== null) {
       document.getElementById("fact-best").textContent = `${row.best_metric.replace("eval_accuracy", "acc")} ${row.best_value.toFixed(4)}`;
     }
