@@ -86,7 +86,7 @@ if [ ! -x .venv/bin/python ]; then
   step "creating .venv" "$PYTHON" -m venv .venv
 fi
 # What was installed, and from which inputs: a second run with the same ones installs nothing.
-stamp=".venv/.dtrain-setup-$EXTRAS-$(sha256sum <pyproject.toml | cut -c1-12)-$(echo "$TORCH_SPEC" | tr -c 'a-zA-Z0-9.=+' _)"
+stamp=".venv/.dtrain-setup-$EXTRAS-$(cat pyproject.toml setup.py | sha256sum | cut -c1-12)-$(echo "$TORCH_SPEC" | tr -c 'a-zA-Z0-9.=+' _)"
 if [ ! -e "$stamp" ]; then
   step "pip install --upgrade pip" .venv/bin/python -m pip install -q --upgrade pip
   step "pip install $TORCH_SPEC" .venv/bin/python -m pip install -q "$TORCH_SPEC"

@@ -8,8 +8,11 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+from dtrain.control.settings import builtin_packages
+
 REPO = Path(__file__).resolve().parents[1]
-WORKLOADS = ("packages/mnist", "packages/lora", "packages/common", "packages/evaluate", "packages/sdk")
+# What runs under torchrun: the built-ins' packages (the registry's, so a new one is checked too) and theirs.
+WORKLOADS = (*(f"packages/{n}" for n in builtin_packages()), "packages/common", "packages/evaluate", "packages/sdk")
 # `dtrain plan`'s cluster search prices dtrain's own machine types (rules.json, prices.py); those functions
 # run in the CLI, never under torchrun (docs/architecture.md names this exception).
 WORKLOAD_IMPORT_EXCEPTIONS = {("packages/lora/plan.py", "dtrain.control.gcp"),

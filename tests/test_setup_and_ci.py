@@ -210,10 +210,11 @@ def test_test_sh_fails_when_a_module_skips_at_collection(tmp_path):
 
 
 def _setup_copy(tmp_path: Path) -> Path:
-    """scripts/setup.sh and pyproject.toml in an otherwise empty checkout."""
+    """scripts/setup.sh, pyproject.toml and setup.py in an otherwise empty checkout."""
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts" / "setup.sh").write_text((REPO / "scripts" / "setup.sh").read_text())
-    (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
+    for name in ("pyproject.toml", "setup.py"):
+        (tmp_path / name).write_text((REPO / name).read_text())
     return tmp_path
 
 
@@ -233,7 +234,8 @@ def test_setup_with_everything_in_place_prints_one_line(tmp_path):
     # nothing to install: the venv's python must not even run
     (root / ".venv" / "bin" / "python").write_text('#!/bin/sh\necho "unexpected: python $*" >&2; exit 97\n')
     (root / ".venv" / "bin" / "python").chmod(0o755)
-    digest = hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()[:12]
+    inputs = (REPO / "pyproject.toml").read_bytes() + (REPO / "setup.py").read_bytes()  # what the stamp hashes
+    digest = hashlib.sha256(inputs).hexdigest()[:12]
     (root / ".venv" / f".dtrain-setup-train-{digest}-torch==2.13.0_").touch()  # the spec and its newline
     env = {**os.environ, "DTRAIN_SETUP_LOG": str(tmp_path / "setup.log")}
     env.pop("DTRAIN_TORCH", None)
@@ -251,7 +253,14 @@ def test_the_wheel_builds_without_setuptools_warnings_and_carries_the_bundle(tmp
     src.mkdir()
     for name in ("cli", "packages", "infra", "docker"):
         shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", ".terraform*"))
-    for name in ("Dockerfile.train", "Dockerfile.train.gpu", ".dockerignore", "pyproject.toml", "README.md"):
+    for name in (
+        "Dockerfile.train",
+        "Dockerfile.train.gpu",
+        ".dockerignore",
+        "pyproject.toml",
+        "setup.py",
+        "README.md",
+    ):
         shutil.copy(REPO / name, src / name)
     p = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
                         "-w", str(tmp_path / "wheel")], capture_output=True, text=True, timeout=300)  # fmt: skip

@@ -20,8 +20,15 @@ from dtrain.common.errors import UserError
 BUNDLE = "dtrain.bundle"
 # The build context's parts besides the workloads' code (what .dockerignore lets in; the Dockerfiles).
 BUILD_FILES = ("Dockerfile.train", "Dockerfile.train.gpu", ".dockerignore", "docker")
-# Workload packages the images hold, by their path in the build context (the Dockerfiles' COPY lines).
-IMAGE_PACKAGES = {"packages/common": "dtrain.common", "packages/mnist": "dtrain.mnist", "packages/lora": "dtrain.lora"}
+
+
+def image_packages() -> dict[str, str]:
+    """The packages the training images hold, by their path in the build context: dtrain.common and each
+    built-in's own (the registry, settings.WORKLOADS). The Dockerfiles copy packages/ as a whole and
+    .dockerignore keeps dtrain's CLI-side packages out, so a checkout's context holds the same ones."""
+    from dtrain.control.settings import builtin_packages  # here: `dtrain up` reads infra_dir without it
+
+    return {f"packages/{name}": f"dtrain.{name}" for name in ["common", *builtin_packages()]}
 
 
 def source_root() -> Path:
@@ -78,7 +85,7 @@ def build_context() -> Path:
             shutil.copytree(source, context / name)
         elif source.is_file():
             shutil.copy2(source, context / name)
-    for relative, package in IMAGE_PACKAGES.items():
+    for relative, package in image_packages().items():
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
             raise UserError(f"{package} is not installed, so its code cannot go into the image: reinstall dtrain")

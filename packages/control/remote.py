@@ -96,10 +96,9 @@ class NodeInfo:
 def workload_packages() -> list[str]:
     """dtrain's node-side packages: common (the agent, torchrun's wrapper, checkpoints), sdk (for users'
     programs), evaluate (runs draw their curves; `dtrain eval --cluster`) and each built-in's own package."""
-    from dtrain.control.settings import WORKLOADS
+    from dtrain.control.settings import builtin_packages
 
-    own = [b.module.split(".")[1] for b in WORKLOADS.values() if b.module.startswith("dtrain.")]
-    return ["common", "sdk", *dict.fromkeys(own), "evaluate"]
+    return ["common", "sdk", *builtin_packages(), "evaluate"]
 
 
 def code_archive() -> tuple[bytes, str]:

@@ -93,6 +93,14 @@ WORKLOADS: dict[str, Builtin] = {
 ENTRY_POINTS = "dtrain.workloads"
 
 
+def builtin_packages() -> list[str]:
+    """The packages of dtrain's own built-ins (["mnist", "lora"]: dtrain.mnist, ...), each once, in the
+    registry's order; a plug-in whose module is outside dtrain brings its own. What the training images
+    hold besides dtrain.common (dtrain.control.assets) follows from this."""
+    own = [b.module.split(".")[1] for b in WORKLOADS.values() if b.module.startswith("dtrain.")]
+    return list(dict.fromkeys(own))
+
+
 def _add_entry_points() -> None:
     """Built-ins that installed packages declare (entry-point group dtrain.workloads, name -> a Builtin)."""
     from importlib.metadata import entry_points
