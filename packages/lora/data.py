@@ -163,13 +163,23 @@ def read_rows(spec: str, text_field: str, split: str = "train") -> list[Row]:
     return _hub_rows(spec, split)
 
 
+def hub_name(spec: str) -> bool:
+    """Whether `spec` can name a Hugging Face dataset (`name` or `owner/name`), not only a missing path."""
+    return not spec.startswith(("/", "./", "../", "~")) and spec.count("/") <= 1
+
+
 def _hub_rows(name: str, split: str) -> list[Row]:
+    """A split of a Hugging Face dataset, through `datasets` (HF_ENDPOINT and HF_HOME honoured). Offline
+    (DTRAIN_OFFLINE or HF_HUB_OFFLINE set, or the hub's host does not resolve) only the datasets cache
+    is read: a dataset loaded once online loads again without the hub."""
     from dtrain.lora.model import hub_reachable
 
-    if envmod.offline() or not hub_reachable():
+    offline = envmod.offline() or not hub_reachable()
+    missing = f"--data {name}: no such file or directory"
+    if not hub_name(name):
         raise UserError(
-            f"--data {name}: no such file or directory, and the Hugging Face hub is out of reach to "
-            "load it as a dataset name (offline)"
+            missing
+            + (", and the Hugging Face hub is out of reach to load it as a dataset name (offline)" if offline else "")
         )
     try:
         import datasets
@@ -177,12 +187,28 @@ def _hub_rows(name: str, split: str) -> list[Row]:
         raise UserError(
             f"--data {name}: not a file; to use Hugging Face datasets: pip install 'dtrain[lora]'"
         ) from None
+    # DTRAIN_OFFLINE alone does not reach `datasets`, which reads HF_HUB_OFFLINE once, at import: set
+    # its switch (the one its own tests set) for this call only, so it reads its cache and nothing else.
+    was_offline = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = was_offline or offline
     try:
         ds = datasets.load_dataset(name, split=split)
     except Exception as e:  # noqa: BLE001 - the hub raises many types; one line for the user
-        raise UserError(
-            f"--data {name}: cannot load split {split!r} as a dataset: {str(e).splitlines()[0][:200]}"
-        ) from None
+        if offline and isinstance(e, ConnectionError):  # not in the cache
+            raise UserError(
+                f"{missing}, and the Hugging Face hub is out of reach to load it as a dataset name (offline: "
+                "DTRAIN_OFFLINE or HF_HUB_OFFLINE is set, or the hub's host does not resolve) and the datasets "
+                "cache does not hold it; load it once online, or pass a local file"
+            ) from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if isinstance(e, datasets.exceptions.DatasetNotFoundError):  # a typo'd path lands here too
+            raise UserError(
+                f"{missing}, and not a dataset on the Hugging Face hub ({first}); check the name, or set "
+                "HF_TOKEN for a private or gated dataset"
+            ) from None
+        raise UserError(f"--data {name}: cannot load split {split!r} as a dataset: {first}") from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE = was_offline
     return [(f"{name}[{split}] row {i}", r) for i, r in enumerate(ds)]
 
 
