@@ -68,11 +68,26 @@ def eval_(
     if as_json:
         console.out.print_json(json.dumps(record))
         return
-    headline, details = (_mnist if record["workload"] == "mnist" else _lora)(record)
+    headline, details = _view(record["workload"])(record)
     console.out.print(f"{record['run_id']} {record['model']}: {headline}", highlight=False)
     for item in details:
         console.out.print(item)
     console.out.print(f"kept as {record['run']}/eval/{record['id']}.json", highlight=False)
+
+
+def _view(workload: str) -> Any:
+    """How the terminal shows an evaluation of `workload`'s runs: its registry entry's eval_view, or a table of
+    the figures (dtrain.cli.eval_views.figures)."""
+    import importlib
+
+    from dtrain.cli import eval_views
+    from dtrain.control.settings import WORKLOADS
+
+    ref = WORKLOADS[workload].eval_view if workload in WORKLOADS else ""
+    if not ref:
+        return eval_views.figures
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _queue(request: Any, as_json: bool) -> None:
@@ -117,48 +132,6 @@ def _quiet() -> Any:
     from dtrain.control.events import Events
 
     return Events()  # --json: the record alone on stdout
-
-
-def _logged(record: dict[str, Any], key: str, digits: int = 4) -> str:
-    """What the run itself logged for these weights, to read beside the evaluation's figure."""
-    value = (record.get("logged") or {}).get(key)
-    return f" (the run logged {value:.{digits}f})" if isinstance(value, (int, float)) else ""
-
-
-def _mnist(record: dict[str, Any]) -> tuple[str, list[Any]]:
-    """The headline and the confusion matrix, with each class's images and accuracy."""
-    from rich.table import Table
-
-    m = record["metrics"]
-    headline = (
-        f"accuracy [bold]{m['accuracy']:.4f}[/]{_logged(record, 'eval_accuracy')}, loss {m['loss']:.4f} "
-        f"on {m['images']} images of {m['dataset']} {m['split']}"
-    )
-    table = Table(title="confusion matrix (rows: true class, columns: predicted)", title_justify="left")
-    for name in ["class", *map(str, range(len(m["confusion_matrix"]))), "images", "accuracy"]:
-        table.add_column(name, justify="right")
-    for c, row in enumerate(m["confusion_matrix"]):
-        acc = m["per_class_accuracy"][c]
-        cells = [f"[bold]{v}[/]" if i == c else (str(v) if v else "[dim]0[/]") for i, v in enumerate(row)]
-        table.add_row(str(c), *cells, str(m["class_counts"][c]), f"{acc:.3f}" if acc is not None else "-")
-    return headline, [table]
-
-
-def _lora(record: dict[str, Any]) -> tuple[str, list[Any]]:
-    """The headline and the sampled continuations."""
-    from rich.text import Text
-
-    m = record["metrics"]
-    headline = (
-        f"held-out loss [bold]{m['loss']:.4f}[/]{_logged(record, 'eval_loss')}, perplexity "
-        f"[bold]{m['perplexity']:.3f}[/]{_logged(record, 'eval_perplexity', 3)} over {m['blocks']} blocks "
-        f"({m['tokens']:,} tokens)"
-    )
-    samples = [
-        Text.assemble(("prompt: ", "dim"), s["prompt"], "\n", ("   ->   ", "dim"), (s["continuation"], "cyan"))
-        for s in m["samples"]
-    ]
-    return headline, samples
 
 
 def export(

@@ -142,13 +142,18 @@ def plan_eval(req: EvalRequest) -> EvalPlan:
     if target.workload not in evaluable:
         known = ", ".join(evaluable)
         raise UserError(f"run {target.run.url} is a {target.workload} run: dtrain eval knows {known} runs")
+    builtin = WORKLOADS[target.workload]
     need_torch_here(target)
-    argv = _common_argv(target, req)
+    argv = [*_common_argv(target, req), "--evaluator", builtin.evaluate]
     # The file is read here, where the user named it: a job on a cluster gets the prompts, not a path.
     prompts = [*req.prompts, *records.read_prompts(req.prompts_file)]
-    if (prompts or req.data or req.max_new_tokens) and target.workload != "lora":
-        flag = "--prompts" if prompts else "--data" if req.data else "--max-new-tokens"
-        raise UserError(f"{flag} is for LoRA runs; {target.run.url} is an MNIST run")
+    given = {"prompts": bool(prompts), "data": bool(req.data), "max_new_tokens": bool(req.max_new_tokens)}
+    for option, used in given.items():
+        if used and option not in builtin.eval_options:
+            takers = [n for n, b in WORKLOADS.items() if option in b.eval_options]
+            flag = "--" + option.replace("_", "-")
+            raise UserError(f"{flag} is for {' and '.join(takers) or 'no'} runs; {target.run.url} is a "
+                            f"{target.workload} run")  # fmt: skip
     if req.data:
         argv += ["--data", req.data]
     if req.max_new_tokens < 0:

@@ -76,19 +76,37 @@ REQUIRED = "required"  # the source of a key that has no default and was not set
 class Builtin:
     """A built-in example: a program (`module`, run under torchrun like any user's -m module) with a typed
     config (`config`: "module:Class", a kw_only dataclass with one nested RunConfig) from which its
-    `dtrain train NAME` flags, [NAME] section and DTRAIN_NAME_* variables follow. `evaluate`: it has
-    `dtrain eval` / `export` support in dtrain.evaluate."""
+    `dtrain train NAME` flags, [NAME] section and DTRAIN_NAME_* variables follow.
+
+    `dtrain eval` of its runs: `evaluate` names the module that evaluates them (`python -m dtrain.evaluate
+    eval --evaluator MODULE` calls its `evaluate_args(run, saved, step, *, device, args, log)`; "" for none);
+    `eval_options`, which of eval's workload options it takes ("data", "prompts", "max_new_tokens"; the
+    others are refused in one line); `eval_view`, "module:function" that turns an evaluation's record into
+    the terminal's headline and details (a CLI-side module: no torch), or "" for a table of its figures."""
 
     config: str
     module: str
-    evaluate: bool = False
+    evaluate: str = ""
+    eval_options: tuple[str, ...] = ()
+    eval_view: str = ""
 
 
 # The built-in examples. A new one is one entry here (and its package); a user's own package can add one
 # through the "dtrain.workloads" entry-point group, whose entries load a Builtin (see builtins()).
 WORKLOADS: dict[str, Builtin] = {
-    "mnist": Builtin("dtrain.mnist.config:MnistConfig", "dtrain.mnist.train", evaluate=True),
-    "lora": Builtin("dtrain.lora.config:LoraConfig", "dtrain.lora.train", evaluate=True),
+    "mnist": Builtin(
+        "dtrain.mnist.config:MnistConfig",
+        "dtrain.mnist.train",
+        evaluate="dtrain.evaluate.mnist",
+        eval_view="dtrain.cli.eval_views:mnist",
+    ),
+    "lora": Builtin(
+        "dtrain.lora.config:LoraConfig",
+        "dtrain.lora.train",
+        evaluate="dtrain.evaluate.lora",
+        eval_options=("data", "prompts", "max_new_tokens"),
+        eval_view="dtrain.cli.eval_views:lora",
+    ),
 }
 ENTRY_POINTS = "dtrain.workloads"
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import sys
@@ -47,6 +48,12 @@ def parser() -> argparse.ArgumentParser:
     )
 
     e = sub.add_parser("eval", parents=[common], help="evaluate a run's model; writes eval/<id>.json under the run")
+    e.add_argument(
+        "--evaluator",
+        default="",
+        help="the module that evaluates this workload's runs (its registry's "
+        "`evaluate`, which dtrain eval passes; default: dtrain.evaluate.<the run's workload>)",
+    )
     e.add_argument("--eval-id", default="", help="the record's id (default: a new one)")
     e.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda, cuda:N")
     e.add_argument(
@@ -77,14 +84,30 @@ def logged_figures(run: Store, step: int | None) -> dict[str, Any]:
     return {k: v for k, v in rows[-1].items() if k.startswith("eval_") or k == "step"} if rows else {}
 
 
+def _evaluator(name: str, run: Store, workload: str) -> Any:
+    """The module that evaluates `workload`'s runs (it has evaluate_args); one line if there is none."""
+    import importlib
+
+    if not re.fullmatch(r"[A-Za-z_][\w.]*", name):
+        raise UserError(f"--evaluator {name!r}: a module name, such as dtrain.evaluate.mnist")
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name and name.startswith(e.name):  # the evaluator itself, not one of its imports
+            raise UserError(f"run {run.url} is a {workload} run: no evaluator {name} for it here") from None
+        raise
+    if not callable(getattr(module, "evaluate_args", None)):
+        raise UserError(f"{name} has no evaluate_args(run, saved, step, *, device, args, log): not an evaluator")
+    return module
+
+
 def run_eval(args: argparse.Namespace, run: Store, saved: dict[str, Any]) -> dict[str, Any]:
     from dtrain.evaluate.loading import pick_device
 
     eval_id = args.eval_id or records.new_eval_id()
     records.eval_name(eval_id)  # refuse a malformed id before any work
     workload = saved["workload"]
-    if workload not in ("mnist", "lora"):
-        raise UserError(f"run {run.url} is a {workload} run: dtrain eval knows mnist and lora runs")
+    evaluator = _evaluator(args.evaluator or f"dtrain.evaluate.{workload}", run, workload)
     if args.checkpoint is not None:
         records.check_step(run, args.checkpoint)
     device = pick_device(args.device)
@@ -103,26 +126,7 @@ def run_eval(args: argparse.Namespace, run: Store, saved: dict[str, Any]) -> dic
     }
     records.write_record(run, eval_id, {**base, "state": "running", "pid": os.getpid()})
     try:
-        if workload == "mnist":
-            from dtrain.evaluate import mnist
-
-            figures = mnist.evaluate(
-                run, saved, args.checkpoint, device=device, data_dir=args.data_dir, split=args.split, log=say
-            )
-        else:
-            from dtrain.evaluate import lora
-
-            prompts = [*args.prompt, *records.read_prompts(args.prompts)]
-            figures = lora.evaluate(
-                run,
-                saved,
-                args.checkpoint,
-                device=device,
-                data=args.data,
-                prompts=prompts,
-                max_new_tokens=args.max_new_tokens or lora.DEFAULT_NEW_TOKENS,
-                log=say,
-            )
+        figures = evaluator.evaluate_args(run, saved, args.checkpoint, device=device, args=args, log=say)
     except BaseException as e:
         reason = "interrupted" if isinstance(e, KeyboardInterrupt) else (str(e) or type(e).__name__)
         records.write_record(run, eval_id, {**base, "state": "failed", "error": reason.splitlines()[0]})

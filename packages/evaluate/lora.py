@@ -216,3 +216,15 @@ def evaluate(
         "perplexity": figures["eval_perplexity"],
         "samples": out,
     }
+
+
+def evaluate_args(
+    run: Store, saved: dict[str, Any], step: int | None, *, device: torch.device, args: Any, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """`python -m dtrain.evaluate eval`'s call (the registry's evaluator interface): its --data, the prompts
+    (--prompt, --prompts) and --max-new-tokens."""
+    from dtrain.evaluate import records
+
+    prompts = [*args.prompt, *records.read_prompts(args.prompts)]
+    return evaluate(run, saved, step, device=device, data=args.data, prompts=prompts,
+                    max_new_tokens=args.max_new_tokens or DEFAULT_NEW_TOKENS, log=log)  # fmt: skip

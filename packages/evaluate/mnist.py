@@ -90,3 +90,10 @@ def evaluate(
         "class_counts": counts.tolist(),
         "confusion_matrix": matrix.tolist(),  # rows: true class, columns: predicted class
     }
+
+
+def evaluate_args(
+    run: Store, saved: dict[str, Any], step: int | None, *, device: torch.device, args: Any, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """`python -m dtrain.evaluate eval`'s call (the registry's evaluator interface): its --data-dir and --split."""
+    return evaluate(run, saved, step, device=device, data_dir=args.data_dir, split=args.split, log=log)

@@ -78,7 +78,7 @@ def test_prompts_for_an_mnist_run_and_a_missing_prompts_file(mnist_run: Path, lo
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
     line = refused(tmp_path, "eval", str(mnist_run), "--prompts", str(prompts))
-    assert line == f"error: --prompts is for LoRA runs; {mnist_run} is an MNIST run"
+    assert line == f"error: --prompts is for lora runs; {mnist_run} is a mnist run"
     line = refused(tmp_path, "eval", str(lora_run), "--prompts", str(tmp_path / "none.txt"))
     assert line == f"error: --prompts {tmp_path / 'none.txt'}: no such file"
 
@@ -90,3 +90,33 @@ def test_a_directory_that_is_not_a_run(tmp_path: Path):
     assert (
         line == f"error: {tmp_path / 'junk'} has no readable config.json: not a dtrain run (`dtrain runs` lists runs)"
     )
+
+
+def test_the_node_side_evaluator_comes_from_the_registry_and_a_wrong_one_is_one_line(mnist_run: Path):
+    """dtrain eval passes the registry's evaluator (settings.Builtin.evaluate); a module that is not one, or
+    is not there, is refused in one line before any record is written."""
+    import subprocess
+    import sys
+
+    before = snapshot(mnist_run)
+    for evaluator, expected in (
+        ("dtrain.evaluate.no_such",
+         f"error: run {mnist_run} is a mnist run: no evaluator dtrain.evaluate.no_such for it here"),
+        ("dtrain.evaluate.records", "error: dtrain.evaluate.records has no evaluate_args(run, saved, step, *, device, "
+                                    "args, log): not an evaluator"),
+        ("os;rm", "error: --evaluator 'os;rm': a module name, such as dtrain.evaluate.mnist"),
+    ):  # fmt: skip
+        p = subprocess.run([sys.executable, "-m", "dtrain.evaluate", "eval", str(mnist_run), "--evaluator", evaluator],
+                           capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert p.stderr.strip().splitlines()[-1] == expected, p.stderr
+    assert snapshot(mnist_run) == before
+
+
+def test_a_workload_without_a_view_gets_its_figures_as_a_table() -> None:
+    from dtrain.cli import eval_cmd, eval_views
+
+    assert eval_cmd._view("mnist") is eval_views.mnist and eval_cmd._view("lora") is eval_views.lora
+    view = eval_cmd._view("toy")  # a workload the registry has no view for
+    headline, details = view({"metrics": {"accuracy": 0.5, "loss": 1.25, "dataset": "toy-set"}})
+    assert headline == "accuracy [bold]0.5[/], loss [bold]1.25[/]" and len(details) == 1
