@@ -101,7 +101,8 @@ class LoraConfig:
     )
     quant: Quant = opt(Quant.NONE, "base weights: none, or 4bit (QLoRA: NF4 with double quantization, CUDA GPUs only)")
     sharding: Sharding = opt(
-        Sharding.AUTO, "ddp (a full base model per GPU), fsdp (FSDP2: shard it), auto (fsdp when the plan says it must)"
+        Sharding.AUTO,
+        "ddp (a full base model per GPU), fsdp (FSDP2: shard it, 4-bit too), auto (fsdp when the plan says it must)",
     )
 
     def __post_init__(self) -> None:
@@ -126,10 +127,6 @@ class LoraConfig:
         self.format = DataFormat(self.format)
         self.activation_checkpointing = Switch(self.activation_checkpointing)
         self.quant, self.sharding = Quant(self.quant), Sharding(self.sharding)
-        if self.quant == Quant.NF4 and self.sharding == Sharding.FSDP:
-            raise ValueError(
-                "quant: 4bit with sharding fsdp is not supported; use --quant 4bit with ddp, or fsdp in bf16"
-            )
 
     def model_config(self) -> dict:
         """What fixes the trained weights' shapes and meaning: a checkpoint with other values is refused."""

@@ -215,7 +215,12 @@ def _quantized_preset(
 
     hf_logging.disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="dtrain-preset-") as tmp:
-        model.save_pretrained(tmp)
+        # Written by hand, not save_pretrained: under a process group transformers 5 writes only on rank
+        # 0, and every rank reads its own copy here. save_model drops tied duplicates, as the loader expects.
+        from safetensors.torch import save_model
+
+        model.config.save_pretrained(tmp)
+        save_model(model, f"{tmp}/model.safetensors")
         loaded = AutoModelForCausalLM.from_pretrained(
             tmp,
             dtype=dtype,

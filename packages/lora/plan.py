@@ -53,7 +53,10 @@ What one GPU holds, in bytes (docs/memory-plan.md has the derivation and the mea
   the CPU check (benchmarks/memory_plan.py) measures the rest, not them.
 
 Sharded (FSDP2) runs divide the base weights and the LoRA state by the GPU count and add two layers'
-unsharded weights (the one computing and the one prefetched).
+unsharded weights (the one computing and the one prefetched) and the root unit's (embeddings, final
+norm, output layer), which FSDP2 keeps gathered from the forward to the end of the backward. A sharded
+4-bit base (QLoRA + FSDP2) shards the packed 4-bit values (0.5 B a weight) but not the quantization
+constants (0.127 bit a weight, whole on every GPU); its gathered layers are packed too.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from dtrain.common.errors import UserError
 
 GIB = 2**30
 NF4_BYTES_PER_PARAM = (4 + 0.127) / 8
+NF4_PACKED_BYTES = 4 / 8  # the part FSDP2 shards; the rest (the constants) stays whole on every GPU
 LORA_STATE_BYTES = 4 + 4 + 8  # fp32 weight (its own master copy), gradient, AdamW's two moments
 ALLOCATOR_FRACTION = 0.05
 WORKSPACE_GIB = 0.25
@@ -181,9 +185,9 @@ class Plan:
 
     @property
     def method(self) -> str:
-        """How the run goes: DDP, QLoRA (DDP on 4-bit base weights) or sharded (FSDP)."""
+        """How the run goes: DDP, QLoRA (DDP on 4-bit base weights), sharded (FSDP2), or both."""
         if self.strategy == "fsdp":
-            return "sharded (FSDP2)"
+            return "QLoRA sharded (4-bit base, FSDP2)" if self.quant == "4bit" else "sharded (FSDP2)"
         return "QLoRA (4-bit base, DDP)" if self.quant == "4bit" else "DDP"
 
 
@@ -334,8 +338,12 @@ def memory(
     if quant == "4bit":  # one projection dequantized at a time
         casts += wb * max(i * o for i, o in m.proj_shapes().values())
     if strategy == "fsdp" and gpus > 1:
-        # two layers' projections unsharded (computing, prefetched), the rest sharded
-        weights = weights / shard + 2 * m.layer_proj_params() * wb
+        # the rest sharded; two layers' projections unsharded (computing, prefetched) and the root's
+        # embeddings, norm and head gathered for the whole step
+        proj_b = NF4_PACKED_BYTES if quant == "4bit" else wb
+        whole = proj * (NF4_BYTES_PER_PARAM - NF4_PACKED_BYTES) if quant == "4bit" else 0.0
+        other = m.other_params() * other_b
+        weights = (proj * proj_b + other) / shard + whole + 2 * m.layer_proj_params() * proj_b + other
     adapter, grads, opt = 4 * n_lora / shard, 4 * n_lora / shard, 8 * n_lora / shard
     if strategy == "ddp" and gpus > 1:
         grads += 4 * n_lora  # DDP's gradient buckets
@@ -383,7 +391,8 @@ def plan(
     reports it, or "cpu" for no card; `usable_gib` overrides the card's figure, e.g. with what
     torch.cuda.mem_get_info says on the machine itself): the first
     that fits of DDP, DDP with activation checkpointing, QLoRA, QLoRA with checkpointing, and (with
-    more than one GPU) sharded with checkpointing; "auto" settings choose, others are kept as asked
+    more than one GPU) sharded, then sharded 4-bit, each without then with checkpointing; "auto" settings
+    choose, others are kept as asked
     (quant "none": never 4-bit, "4bit": always). When nothing fits, the try that needs least."""
     for value, allowed, what in (
         (precision, PRECISIONS, "precision"),
@@ -401,8 +410,6 @@ def plan(
     notes: list[str] = []
     if card is not None and prec == "bf16" and not card.bf16:
         raise UserError(f"{card.label} has no bf16: use --precision fp16 (or auto)")
-    if quant == "4bit" and strategy == "fsdp":
-        raise UserError("--quant 4bit with sharding (fsdp) is not supported: use 4bit with ddp, or fsdp in bf16")
     if quant == "4bit" and card is None:
         raise UserError("--quant 4bit (QLoRA, bitsandbytes) needs a CUDA GPU: plan for an --accelerator")
     usable = (usable_gib if usable_gib is not None else card.usable_gib if card else math.inf) * GIB
@@ -447,8 +454,11 @@ def plan(
             order.append(("ddp", "none"))
         if quant in ("auto", "4bit") and card is not None:
             order.append(("ddp", "4bit"))
-    if strategy == "fsdp" or (strategy == "auto" and gpus > 1 and quant != "4bit"):
-        order.append(("fsdp", "none"))
+    if strategy == "fsdp" or (strategy == "auto" and gpus > 1):
+        if quant in ("auto", "none"):
+            order.append(("fsdp", "none"))
+        if quant in ("auto", "4bit") and card is not None:  # the last resort: 4-bit and sharded
+            order.append(("fsdp", "4bit"))
     tried = [candidate(s, q, c) for s, q in order for c in ckpts]
     for p in tried:
         if p.fits:
@@ -545,7 +555,8 @@ def best_effort(m: ModelShape, **settings: Any) -> Plan:
     frugal = dict(settings, checkpointing="on")
     shard = plan(m, accelerator=name, gpus=gpus, **{**frugal, "strategy": "fsdp", "quant": "none"})
     qlora = plan(m, accelerator=name, gpus=1, **{**frugal, "strategy": "ddp", "quant": "4bit"})
-    return min((shard, qlora), key=lambda p: p.memory.total)
+    both = plan(m, accelerator=name, gpus=gpus, **{**frugal, "strategy": "fsdp", "quant": "4bit"})
+    return min((shard, qlora, both), key=lambda p: p.memory.total)
 
 
 def refuse_if_unfit(p: Plan) -> None:

@@ -10,12 +10,22 @@ Only on CUDA GPUs: dtrain refuses `--quant 4bit` elsewhere in one line before an
 (`require_cuda`). bitsandbytes 0.50 has CPU kernels, over a second a step for a 64-wide model, and on
 CPUs with AVX-512 bf16 its Linear4bit repacks the weights for inference at the first forward without
 gradients (an evaluation) and from then on runs a kernel with no autograd formula: the gradient
-through the frozen layers is lost (torch warns "an autograd kernel was not registered"). The tests run
-the QLoRA model path on those kernels with training before any evaluation (tests/lora/test_memory_qlora.py).
+through the frozen layers is lost (torch warns "an autograd kernel was not registered"); `prepare`
+turns that repacking off. The tests run the QLoRA model path on those kernels
+(tests/lora/test_memory_qlora.py), and whole runs, DDP and sharded, with DTRAIN_INTERNAL_QLORA_ON_CPU=1
+(tests/lora/test_qlora_fsdp.py): a test switch only, read by `require_cuda` and nowhere else.
+
+Sharded (FSDP2, dtrain.lora.sharding): the packed 4-bit weights stay in bitsandbytes' uint8 storage
+and are sharded as they are (torch 2.13's fully_shard keeps a frozen parameter's dtype and
+requires_grad, so integer storage needs no float disguise, bnb_4bit_quant_storage, which FSDP1 needed);
+each Linear4bit keeps its quantization constants (the QuantState: absmax, the nested constants and the
+code book, 0.127 bit a weight) whole on every rank, and bitsandbytes re-attaches them to the gathered
+weight at each forward.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -24,11 +34,13 @@ from dtrain.common.errors import UserError
 
 # The first compute capability with native bf16 (Ampere).
 BF16_CAPABILITY = (8, 0)
+# Tests only: let a QLoRA run go on the CPU's bitsandbytes kernels (slow, and not a product path).
+CPU_TEST_ENV = "DTRAIN_INTERNAL_QLORA_ON_CPU"
 
 
 def require_cuda(device: torch.device) -> None:
-    """Refuse QLoRA where there is no CUDA GPU, saying what to do instead."""
-    if device.type != "cuda":
+    """Refuse QLoRA where there is no CUDA GPU, saying what to do instead (unless CPU_TEST_ENV is 1)."""
+    if device.type != "cuda" and os.environ.get(CPU_TEST_ENV) != "1":
         raise UserError(
             "--quant 4bit needs a CUDA GPU (bitsandbytes NF4 kernels); on this machine use --quant none, "
             "or run it on a GPU cluster (dtrain up with a T4, L4 or larger; dtrain plan says which fits)"
@@ -69,7 +81,34 @@ def prepare(model: torch.nn.Module) -> torch.nn.Module:
     checkpointing is left to dtrain.lora.model.enable_activation_checkpointing, as for every run."""
     from peft import prepare_model_for_kbit_training
 
+    for m in linear4bit(model):  # no inference repacking on the CPU (module docstring); no effect on GPUs
+        m.support_avx512bf16_for_cpu = False
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def linear4bit(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+
+
+def constant_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the 4-bit layers' quantization constants (absmax, nested constants, code books)."""
+    total = 0
+    for m in linear4bit(model):
+        state = getattr(m, "quant_state", None) or getattr(m.weight, "quant_state", None)
+        for s in (state, getattr(state, "state2", None)):
+            for t in (getattr(s, "absmax", None), getattr(s, "code", None), getattr(s, "offset", None)):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+    return total
+
+
+def place_quant_states(model: torch.nn.Module, device: torch.device) -> None:
+    """Move each 4-bit layer's quantization constants to `device`: FSDP2 moves parameters, and these
+    live beside them (on the module and its weight, one object), not as parameters or buffers."""
+    for m in linear4bit(model):
+        state = getattr(m, "quant_state", None) or getattr(m.weight, "quant_state", None)
+        if state is not None:
+            state.to(device)  # in place
 
 
 def is_quantized(model: torch.nn.Module) -> bool:

@@ -8,6 +8,11 @@ the LoRA weights share a layer's unit (FSDP2 keeps requires_grad per parameter, 
 needs one dtype only among the trainable ones: the LoRA weights, all fp32), so only the LoRA
 gradients are reduce-scattered.
 
+A 4-bit base (QLoRA, dtrain.lora.quant) shards the same way: the packed NF4 weights are frozen uint8
+parameters, split on dim 0 like any other; only their quantization constants stay whole on every rank
+(quant.place_quant_states). Such a model is loaded into host memory and fully_shard moves one layer at
+a time to the GPU, keeping 1/N of it: a base whose 4-bit weights exceed one GPU never sits whole on one.
+
 Checkpoints hold the same thing as a DDP run's: the LoRA weights in peft's key format and the
 optimizer's state keyed by parameter index, gathered whole to rank 0 (torch.distributed.checkpoint's
 full state dicts, offloaded to the CPU). The trainable state is small even for 8B models (r=8 on
@@ -60,7 +65,23 @@ def shard(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
         # The last layer's weights are needed again at once by the backward: keep them gathered.
         fully_shard(layer, mesh=mesh, reshard_after_forward=layer is not layers[-1])
     fully_shard(model, mesh=mesh)
+    from dtrain.lora import quant
+
+    quant.place_quant_states(model, d.device)  # nothing for a model without 4-bit layers
     return model
+
+
+def held_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of parameters this rank holds, bytes of the whole model's), 4-bit layers' quantization
+    constants counted in both (every rank holds them whole): what sharding saved, for the run's log."""
+    from dtrain.lora import quant
+
+    local = whole = quant.constant_bytes(model)
+    for p in model.parameters():
+        mine = p.to_local() if hasattr(p, "to_local") else p
+        local += mine.numel() * mine.element_size()
+        whole += p.numel() * p.element_size()
+    return local, whole
 
 
 @contextlib.contextmanager

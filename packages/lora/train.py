@@ -234,12 +234,28 @@ def memory_strategy(cfg: LoraConfig, d: Any, accelerator: str | None = None, usa
     shard = cfg.sharding == Sharding.FSDP or (cfg.sharding == Sharding.AUTO and need_shard)
     if shard and d.backend is None:
         shard = False  # one process: nothing to shard across, the same run as DDP's
-    if shard and cfg.quant == Quant.NF4:
-        raise UserError("--quant 4bit cannot be sharded yet: use --sharding ddp (one 4-bit model per GPU)")
     auto = [n for n, v in (("checkpointing", cfg.activation_checkpointing), ("sharding", cfg.sharding)) if v == "auto"]
     return Memory(
         cfg.quant == Quant.NF4, ac, shard, (f"auto: {', '.join(auto)}" if auto else "as flagged") + f"; {decided}"
     )
+
+
+def whole_4bit_fits(cfg: LoraConfig, d: Any) -> bool:
+    """Whether this GPU has room for the whole 4-bit base (the plan's figure, with 10% to spare) while it is
+    quantized, before sharding keeps 1/N of it. If not, or not known, a sharded QLoRA run reads it into host
+    memory and quantizes it there (bitsandbytes' CPU kernels: ~11M weights/s on 2 cores, minutes for a
+    70B model on a GPU machine's cores, and the 4-bit model once per rank in host memory); fully_shard then
+    moves 1/N of each layer to the GPU (sharding.shard)."""
+    if d.device.type != "cuda":
+        return True  # the CPU (tests): host memory is the device's
+    from dtrain.lora import plan as lp
+
+    try:
+        shape = lp.read_shape(cfg.model)
+    except UserError:
+        return False
+    need = lp.memory(shape, seq_len=1, batch=1, lora_rank=cfg.lora_r, precision="bf16", quant="4bit").weights
+    return need * 1.1 < torch.cuda.mem_get_info(d.device)[0]
 
 
 def build_model(ctx: Context, memory: Memory) -> tuple[torch.nn.Module, Any, list[str], dict[str, int]]:
@@ -248,8 +264,9 @@ def build_model(ctx: Context, memory: Memory) -> tuple[torch.nn.Module, Any, lis
     cfg, d = ctx.cfg, ctx.d
     if memory.quantized:
         compute = quantmod.compute_dtype(d.device)
+        where = None if memory.sharded and not whole_4bit_fits(cfg, d) else d.device
         model, tokenizer = load_base(
-            cfg.model, compute, cfg.run.seed, d.device, d, quantization=quantmod.nf4_config(compute)
+            cfg.model, compute, cfg.run.seed, where, d, quantization=quantmod.nf4_config(compute)
         )
         model = quantmod.prepare(model)
     else:
@@ -361,6 +378,12 @@ def train(ctx: Context) -> dict[str, Any]:
     source = read_data(cfg)  # before the model loads, so bad data fails fast
     prompts = samples.read_prompt_file(cfg.sample_prompts)
     model, tokenizer, targets, fused = build_model(ctx, memory)
+    # Wrapped before the data is packed: packing's check runs the model on the device, where a sharded
+    # 4-bit model only is once sharded.
+    ddp = wrap(model, d, memory)
+    if memory.sharded:
+        mine, whole = sharding.held_bytes(model)
+        report.info(f"sharded: {mine / 2**20:.2f} MiB of the model's {whole / 2**20:.2f} MiB on each rank")
     vocab = getattr(model.config, "vocab_size", None)
     blocks: Blocks = make_blocks(ctx, source, model, tokenizer)
     ids = blocks.train[:, 0] if blocks.train.dim() == 3 else blocks.train
@@ -389,7 +412,6 @@ def train(ctx: Context) -> dict[str, Any]:
         )
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
     warmup = cfg.warmup_steps or max(1, int(DEFAULT_WARMUP_FRACTION * total))
-    ddp = wrap(model, d, memory)
     params = [p for p in model.parameters() if p.requires_grad]
     # The fused kernel updates every LoRA tensor in one pass; torch's CPU default is a per-tensor loop of ~12 ops.
     fused_adam = d.device.type in ("cpu", "cuda")
