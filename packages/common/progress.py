@@ -110,6 +110,16 @@ def stragglers(medians: Mapping[str, float], ratio: float = STRAGGLER_RATIO) -> 
     return out
 
 
+def straggler_note(found: Mapping[str, float]) -> str:
+    """The line a launcher prints (and records as a "straggler" event) when the set of stragglers changes:
+    `found` is "<host> rank <r>" -> how many times slower, {} when there is none any more."""
+    if not found:
+        return "dtrain: no straggler any more"
+    return "dtrain: straggler: " + ", ".join(
+        f"{k} ({x:.1f}x the others' median step)" for k, x in sorted(found.items())
+    )
+
+
 # --- watching a node's ranks -----------------------------------------------------------------------------
 
 
@@ -149,16 +159,22 @@ def _stat(pid: int) -> tuple[int, str, int] | None:
     return int(fields[1]), fields[0], int(fields[11]) + int(fields[12])
 
 
-def _rank_of(pid: int) -> str | None:
+def env_value(pid: int, name: str) -> str | None:
+    """A variable of a process's environment as it started (/proc/<pid>/environ), or None."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = f.read().split(b"\0")
     except OSError:
         return None
+    key = name.encode() + b"="
     for item in env:
-        if item.startswith(b"RANK="):
-            return item[5:].decode(errors="replace")
+        if item.startswith(key):
+            return item[len(key) :].decode(errors="replace")
     return None
+
+
+def _rank_of(pid: int) -> str | None:
+    return env_value(pid, "RANK")
 
 
 class Watcher:

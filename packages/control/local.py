@@ -7,6 +7,10 @@ exit PREEMPTED). If the job has not ended SHUTDOWN_GRACE_S later, or on KILL, it
 killed. torchrun runs in a session of its own and gets SIGTERM from the kernel if this process dies
 (PR_SET_PDEATHSIG), and its workers get SIGKILL if it dies (dtrain.common.launch): no process of the
 job outlives the launcher, however the launcher ends.
+
+Hangs (docs/hangs.md): the launcher watches the ranks' progress itself (dtrain.control.hangwatch). A hung job
+is stopped (SIGTERM, SIGKILL HANG_GRACE_S later) and ends ExitCode.HUNG, or, while torchrun has restarts
+left (--max-restarts), its ranks are killed and torchrun starts them again from the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -28,8 +32,14 @@ from dtrain.common.nproc import MAX_PROCS_PER_CORE, auto_nproc, processes  # noq
 from dtrain.common.procs import dies_with_parent
 from dtrain.common.rundir import read_json, run_location, write_json
 from dtrain.common.storage import Store
-from dtrain.control.events import Handle, Stop
+from dtrain.control.events import Events, Handle, Stop
 
+# torchrun's restarts (--max-restarts) with a fresh rendezvous store each time. By default (torch >= 2.4) the
+# workers of every restart share the agent's one TCPStore, unprefixed: a restarted rank can read its peer's
+# gloo address from the previous generation before the peer rewrites it, and fails with "Connection refused"
+# (2 of 4 restarts of the torchrun script in tests/control/test_local_hangs.py). With this, rank 0 hosts a new
+# store for every start.
+RESTARTABLE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 SHUTDOWN_GRACE_S = 45.0  # torchrun gives workers 30 s after SIGTERM; GCP gives ~30 s before stop
 POLL_S = 0.2
 
@@ -43,6 +53,8 @@ class LocalPlan:
     command: list[str]
     env: dict[str, str]
     resuming: bool
+    max_restarts: int = 0  # torchrun's restarts (after a crash or a hang)
+    hang_timeout: float | None = None  # None: from the step time; 0: no hang detection (docs/hangs.md)
 
 
 def count_gpus() -> int:
@@ -85,6 +97,7 @@ def plan_local(
     oversubscribe: bool = False,
     tty: bool = False,
     debug: bool = False,
+    hang_timeout: float | None = None,
 ) -> LocalPlan:
     """`resumed`: the run directory being continued (already located), or None for a new run.
     `tty`: the caller's output is a terminal (rank 0 then draws a live progress bar)."""
@@ -122,21 +135,41 @@ def plan_local(
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     env["DTRAIN_INTERNAL_TTY"] = "1" if tty else "0"
+    if max_restarts:
+        env.update(RESTARTABLE_ENV)
     if debug:
         env["DTRAIN_DEBUG"] = "1"
-    return LocalPlan(run_id, run, n, threads, command, env, resuming=resumed is not None)
+    return LocalPlan(
+        run_id, run, n, threads, command, env, resuming=resumed is not None, max_restarts=max_restarts,
+        hang_timeout=hang_timeout,
+    )  # fmt: skip
 
 
-def run_local(plan: LocalPlan, *, handle: Handle) -> int:
+def run_local(plan: LocalPlan, *, handle: Handle, events: Events | None = None) -> int:
     """Run the plan to the end; returns the job's exit code (see ExitCode). The job's output goes
-    to this process's own stdout and stderr."""
-    proc = subprocess.Popen(
-        plan.command, env=plan.env, start_new_session=True, preexec_fn=dies_with_parent(signal.SIGTERM)
-    )
+    to this process's own stdout and stderr; a hang's line and stragglers go to `events`."""
+    from dtrain.common.nodeagent import HANG_GRACE_S
+    from dtrain.control.hangwatch import Action, LocalHangWatch
+
+    env = dict(plan.env)
+    watch = LocalHangWatch.start(plan.hang_timeout, env, plan.run, events or Events(), restarts=plan.max_restarts)
+    try:
+        proc = subprocess.Popen(
+            plan.command, env=env, start_new_session=True, preexec_fn=dies_with_parent(signal.SIGTERM)
+        )
+    except BaseException:
+        if watch is not None:
+            watch.close()
+        raise
     forwarded: list[int] = []
     deadline = float("inf")
+    hung = False
     try:
         while proc.poll() is None:
+            if watch is not None and not hung and watch.check(proc.pid) == Action.STOP:
+                hung = True  # nothing to save: SIGTERM, and SIGKILL soon (a stuck rank answers neither)
+                _kill_group(proc, signal.SIGTERM)
+                deadline = min(deadline, time.monotonic() + HANG_GRACE_S)
             for stop in handle.take():
                 if stop == Stop.KILL:
                     _kill_group(proc, signal.SIGKILL)
@@ -154,7 +187,10 @@ def run_local(plan: LocalPlan, *, handle: Handle) -> int:
         if proc.poll() is None:
             _kill_group(proc, signal.SIGKILL)
             proc.wait()
-    return outcome(plan.run, proc.returncode, forwarded)
+        if watch is not None:
+            watch.sweep()
+            watch.close()
+    return outcome(plan.run, proc.returncode, forwarded, hung=watch.error if watch is not None else "")
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
@@ -162,11 +198,17 @@ def _kill_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
 
 
-def outcome(run: Store, code: int, forwarded: Sequence[int]) -> int:
+def outcome(run: Store, code: int, forwarded: Sequence[int], *, hung: str = "") -> int:
     """The job's exit code, reconciled with what the workload recorded in status.json: a SIGTERM'd
-    torchrun exits 143 even though its workers checkpointed and exited PREEMPTED."""
+    torchrun exits 143 even though its workers checkpointed and exited PREEMPTED. `hung`: the job was
+    stopped for a hang (status.json's error, "hung: ..."): it ends ExitCode.HUNG, whatever its ranks said."""
     status = read_json(run, "status.json") or {}
     state = status.get("state")
+    if hung or (code == ExitCode.HUNG and state in (None, "running")):
+        # Without `hung`: a cluster's agent stopped it (exit 4); the launcher's line and the run's events say where.
+        _failed(run, status, int(ExitCode.HUNG), hung or "hung: a rank made no progress for its hang timeout "
+                "(the hang event in events.jsonl names it; its stacks are under hangs/)")  # fmt: skip
+        return int(ExitCode.HUNG)
     if state == "preempted":
         return int(ExitCode.PREEMPTED)
     if state == "completed" and code == 0:
@@ -179,16 +221,11 @@ def outcome(run: Store, code: int, forwarded: Sequence[int]) -> int:
         code = int(ExitCode.FAILURE)
     if state == "running" and code != 0:
         # Rank 0 died without recording its end (killed, OOM): record it so `dtrain runs` is right.
-        with contextlib.suppress(OSError, UserError):
-            write_json(
-                run,
-                "status.json",
-                {
-                    **status,
-                    "state": "failed",
-                    "exit_code": code,
-                    "updated": time.time(),
-                    "error": "the job was killed or crashed",
-                },
-            )
+        _failed(run, status, code, "the job was killed or crashed")
     return code
+
+
+def _failed(run: Store, status: dict[str, Any], code: int, error: str) -> None:
+    with contextlib.suppress(OSError, UserError):
+        write_json(run, "status.json", {**status, "state": "failed", "exit_code": code, "updated": time.time(),
+                                        "error": error})  # fmt: skip

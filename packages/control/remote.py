@@ -701,7 +701,7 @@ class Job:
                 f"{since}; stacks in {h.get('where', 'hangs/')}")  # fmt: skip
 
     def _on_alive(self, name: str, ev: dict[str, Any]) -> None:
-        from dtrain.common.progress import stragglers
+        from dtrain.common.progress import straggler_note, stragglers
 
         with contextlib.suppress(TypeError, ValueError):
             self._silent_after[name] = float(ev.get("timeout_s") or 0)
@@ -713,11 +713,7 @@ class Job:
         now = stragglers(every)
         if set(now) != set(self._stragglers):
             self._stragglers = now
-            if now:
-                text = ", ".join(f"{k} ({x:.1f}x the others' median step)" for k, x in sorted(now.items()))
-                message = f"dtrain: straggler: {text}"
-            else:
-                message = "dtrain: no straggler any more"
+            message = straggler_note(now)
             self.events.emit("straggler", message, stragglers=now)
             self._record("straggler", message, stragglers=now)
 
@@ -882,7 +878,8 @@ def launch_cluster(
     finally:
         logs.close(run)
     forwarded = [signal.SIGINT] if job.interrupted else []
-    return outcome(run, code, forwarded), run, run_id
+    hung = job.hang_error() if code == int(ExitCode.HUNG) else ""
+    return outcome(run, code, forwarded, hung=hung), run, run_id
 
 
 __all__ = ["launch_cluster", "code_archive", "check_port", "node_infos", "sync_code", "Job"]

@@ -237,7 +237,7 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
     """The program of `plan` (a launchers.Plan) on this machine, in its working directory (nothing to sync)."""
     from dtrain.common import deps
     from dtrain.common.env import cache_dir
-    from dtrain.control.local import count_gpus, processes
+    from dtrain.control.local import RESTARTABLE_ENV, count_gpus, processes
 
     job, t, nproc, max_restarts = plan.job, plan.target, plan.nproc, plan.max_restarts
     req = plan
@@ -305,6 +305,8 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
     }
     if job.program.under_torchrun:
         env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or str(max(1, cpus // n))
+        if max_restarts:
+            env.update(RESTARTABLE_ENV)
         argv = [
             env_result.python, "-m", "dtrain.common.launch", "--nnodes", "1", "--nproc-per-node", str(n),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", t.run_id,
@@ -330,16 +332,24 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
         nodes=1,
         nproc=n,
     )
+    from dtrain.control.hangwatch import LocalHangWatch
+
+    # Hang detection (docs/hangs.md), by this launcher: torchrun's restarts bring hung ranks back; a command's
+    # own launcher is not dtrain's to restart.
+    watch = LocalHangWatch.start(plan.hang_timeout, env, t.run, events,
+                                 restarts=max_restarts if job.program.under_torchrun else 0)  # fmt: skip
     code = int(ExitCode.FAILURE)
     try:
         code = supervise(argv, env=env, cwd=job.workdir, stop_file=stop_file, handle=handle, grace_s=req.grace_s,
-                         what=job.program.describe(), pids=job_pids, killed=killed_box)  # fmt: skip
+                         what=job.program.describe(), pids=job_pids, killed=killed_box, watch=watch)  # fmt: skip
     finally:
+        if watch is not None:
+            watch.close()
         if mirror is not None:
             # Killed (KILL, or past the grace period): only settled files, since a save may have been cut
             # off; otherwise the folder as the program left it.
             mirror.close(final=not killed_box)
-        record_end(t, code)
+        record_end(t, code, watch.error if watch is not None and code == ExitCode.HUNG else "")
     return code
 
 
@@ -354,12 +364,15 @@ def supervise(
     what: str,
     pids: list[int] | None = None,
     killed: list[bool] | None = None,
+    watch: Any = None,
 ) -> int:
     """Run argv in a session of its own to its end. A stop request: the stop file appears and the signal goes
     to the whole session; past `grace_s` (or on KILL) everything left is killed. Returns our exit code.
     `pids`: kept up to date with the job's process tree (the checkpoint copy asks only those processes);
-    `killed` gets True when the job had to be killed."""
-    from dtrain.common.nodeagent import signal_tree, tree
+    `killed` gets True when the job had to be killed. `watch`: a hangwatch.LocalHangWatch; a hang it stops
+    the job for ends it ExitCode.HUNG (SIGTERM to the session, SIGKILL HANG_GRACE_S later)."""
+    from dtrain.common.nodeagent import HANG_GRACE_S, signal_tree, tree
+    from dtrain.control.hangwatch import Action
 
     try:
         proc = subprocess.Popen(
@@ -373,8 +386,14 @@ def supervise(
     deadline = float("inf")
     snapshot = pids if pids is not None else []
     snapshot[:] = [proc.pid]
+    hung = False
     try:
         while proc.poll() is None:
+            if watch is not None and not hung and watch.check(proc.pid) == Action.STOP:
+                hung = True  # nothing to save: a stuck rank answers neither the stop file nor SIGTERM
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                deadline = min(deadline, time.monotonic() + HANG_GRACE_S)
             for stop in handle.take():
                 if stop == Stop.KILL:
                     if killed is not None:
@@ -407,6 +426,8 @@ def supervise(
                 os.kill(p, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+    if watch is not None and watch.error and not forwarded:
+        return int(ExitCode.HUNG)  # stopped for a hang, or its ranks killed and never started again
     return exit_code(proc.returncode, forwarded)
 
 

@@ -2,8 +2,9 @@
 
 prepare: the process count (one per GPU, or 2 on CPU, bounded by cores); sync: the project's requirements
 (dtrain.common.deps) — the code runs where it is; execute/stop: one process session, signalled as a whole,
-SIGKILL after the grace period (dtrain.control.userjob.supervise, dtrain.control.local.run_local); collect:
-the exit code reconciled with the run's status.json.
+SIGKILL after the grace period (dtrain.control.userjob.supervise, dtrain.control.local.run_local), and a
+hung rank found by the launcher itself (dtrain.control.hangwatch: no node agent here); collect: the exit code
+reconciled with the run's status.json.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def _builtin(plan: Plan, *, events: Events, handle: Handle) -> LaunchResult:
         oversubscribe=plan.oversubscribe,
         tty=plan.tty,
         debug=plan.debug,
+        hang_timeout=plan.hang_timeout,
     )
     verb = "resuming" if local.resuming else "starting"
     events.emit(
@@ -60,7 +62,7 @@ def _builtin(plan: Plan, *, events: Events, handle: Handle) -> LaunchResult:
         nodes=1,
         nproc=local.nproc,
     )
-    code = run_local(local, handle=handle)
+    code = run_local(local, handle=handle, events=events)
     return LaunchResult(plan.job.builtin, local.run_id, local.run.url, code, "")
 
 
