@@ -23,6 +23,12 @@ counted in the job's Slurm comment (`dtrain:time-limit:N`, which `dtrain jobs` s
 (status.json `requeued` with reason "time limit", an events.jsonl row `time-limit`), until the run completes
 or job.json's max_continuations is reached (then the job ends with exit 3 and the run can be resumed).
 
+Hangs (docs/hangs.md, "On Slurm"): each node's step forwards its agent's hang reports and "alive" lines; the
+batch step (class Hangs) writes a hang's stacks into the run, says one line, records a `hang` event, stops every
+node's step and requeues the job to resume its run while job.json's max_restarts allows (counted in the comment,
+`dtrain:hangs:N`), else ends it with exit 4 and the run failed (hang_end). From the "alive" lines it works out the
+stragglers: `straggler` events, and the comment's `dtrain:stragglers:...` that `dtrain jobs` shows.
+
 `node` fills in what only the allocation knows (this node's and the first node's addresses, the number
 of nodes, the processes for this node's GPUs or cores) in the job spec dtrain wrote, and runs it through
 the node agent (dtrain.common.nodeagent: torchrun with a c10d rendezvous on the first node, the
@@ -55,7 +61,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dtrain.common.errors import UserError
+from dtrain.common.errors import UserError, stopped_as_asked
+from dtrain.common.jobenv import STOP_GRACE_S
 
 RESULT_PREFIX = "\x02dtrain-step "  # a node's result line, read by the batch step
 HEARTBEAT_PREFIX = "\x02dtrain-alive "  # a node's task is alive: every HEARTBEAT_S
@@ -68,12 +75,24 @@ CONTROL_PREFIX = "\x02dtrain-agent "  # as dtrain.common.nodeagent writes them
 TOKENS = ("__dtrain_master_addr__", "__dtrain_addr__", "__dtrain_is_host__", "__dtrain_nproc__",
           "__dtrain_threads__", "__dtrain_node__", "__dtrain_nnodes__", "__dtrain_node_rank__")  # fmt: skip
 ARGS_TOKEN = "__dtrain_workload_args__"  # replaced by the workload's arguments: a new run's, or a resume's
+# Container mode: the spec of the agent inside the container, as JSON in job.json (its placeholders filled in like
+# the rest), given to it through the environment (nodeagent.INNER_SPEC_ENV) once filled.
+INNER_SPEC_KEY = "inner_spec"
 RESTARTS_ENV = "DTRAIN_INTERNAL_SLURM_RESTARTS"  # the batch step tells the node tasks the job's restart count
 STEP_WAIT_S = 30  # srun --wait: after the first node's task ends, the others get this long, then are killed
 FOLLOW_POLL_S = 0.2
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_PREEMPTED, EXIT_HUNG, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 WARN_SIGNAL = signal.SIGUSR1  # Slurm's warning before the time limit (sbatch --signal=B:USR1@<lead>)
-TIME_LIMIT_COMMENT = "dtrain:time-limit:"  # the job's Slurm comment: its continuations so far ("...:N", ":N:max")
+# The job's Slurm comment holds what dtrain counts across its starts and what `dtrain jobs` shows, as fields
+# "dtrain:<name>:<value>" joined by COMMENT_SEP (no spaces: `scontrol -o show job` splits on them).
+COMMENT_SEP = ";"
+TIME_LIMIT_COMMENT = "dtrain:time-limit:"  # time-limit continuations so far ("...:N", ":N:max")
+HANGS_COMMENT = "dtrain:hangs:"  # requeues after a hang so far (at most job.json's max_restarts)
+STRAGGLERS_COMMENT = "dtrain:stragglers:"  # the stragglers now: "<node>/<rank>/<times slower>", joined by ","
+HANG_EVENT, STRAGGLER_EVENT = "hang", "straggler"  # the run's events.jsonl rows (as dtrain.control.remote's)
+HANG_KILL_S = 10.0  # after a hang, the nodes' steps get SIGTERM, and SIGKILL this much later if still running
+SILENT_FLOOR_S = 30.0  # an agent silent this long (or its hang timeout, if longer) is taken for hung (= remote's)
+STACK_MAX_CHARS = 200_000  # a rank's stacks as forwarded to the batch step (faulthandler's are a few KB)
 TIME_LIMIT_EVENT = "time-limit"  # the run's events.jsonl row of a continuation
 TIME_LIMIT_MARK = "time-limit.stop"  # in the job's directory on the batch node while it stops for its time limit
 TIME_LIMIT_LINE = ("dtrain: stopped before the job's time limit: the job is requeued and continues this run by "
@@ -105,27 +124,80 @@ def read_job(path: str) -> dict[str, Any]:
 
 def job_code(codes: dict[str, int]) -> int:
     """The job's exit code from its nodes' codes: a failure on any node wins (1; also any code dtrain does
-    not define), then a usage error (2), an interrupt (130), a preemption (3); 0 only when all finished."""
+    not define), then a hang (4), a usage error (2), an interrupt (130), a preemption (3); 0 only when all
+    finished."""
     values = set(codes.values())
-    if values - {EXIT_OK, EXIT_USAGE, EXIT_PREEMPTED, EXIT_INTERRUPTED}:
+    if values - {EXIT_OK, EXIT_USAGE, EXIT_PREEMPTED, EXIT_HUNG, EXIT_INTERRUPTED}:
         return EXIT_FAILURE
-    for code in (EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PREEMPTED):
+    for code in (EXIT_HUNG, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_PREEMPTED):
         if code in values:
             return code
     return EXIT_OK
 
 
+def comment_field(comment: str, prefix: str) -> str | None:
+    """The value of dtrain's field `prefix` (TIME_LIMIT_COMMENT, ...) in a job's Slurm comment; None: absent."""
+    for part in comment.strip().split(COMMENT_SEP):
+        if part.startswith(prefix):
+            return part[len(prefix) :]
+    return None
+
+
+def with_field(comment: str, prefix: str, value: str | None) -> str:
+    """The comment with dtrain's field `prefix` set to `value` (None: removed), the other fields kept."""
+    parts = [p for p in comment.strip().split(COMMENT_SEP) if p and not p.startswith(prefix)]
+    if value is not None:
+        parts.append(prefix + value)
+    return COMMENT_SEP.join(parts)
+
+
 def continuations(comment: str) -> tuple[int, bool]:
     """(time-limit continuations so far, whether the limit stopped them) from a job's Slurm comment."""
-    text = comment.strip()
-    if not text.startswith(TIME_LIMIT_COMMENT):
+    value = comment_field(comment, TIME_LIMIT_COMMENT)
+    if value is None:
         return 0, False
-    count, _, rest = text[len(TIME_LIMIT_COMMENT) :].partition(":")
+    count, _, rest = value.partition(":")
     return (int(count) if count.isdigit() else 0), rest == "max"
 
 
 def time_limit_comment(count: int, *, stopped: bool = False) -> str:
     return f"{TIME_LIMIT_COMMENT}{count}" + (":max" if stopped else "")
+
+
+def hang_requeues(comment: str) -> int:
+    """Times the job was requeued after a hang, from its Slurm comment."""
+    value = comment_field(comment, HANGS_COMMENT) or ""
+    return int(value) if value.isdigit() else 0
+
+
+def stragglers_field(found: dict[str, float]) -> str | None:
+    """The comment's value for stragglers {"<node> rank <r>": times slower} (None: none)."""
+    if not found:
+        return None
+    return ",".join(f"{k.replace(' rank ', '/')}/{x:g}" for k, x in sorted(found.items()))
+
+
+def stragglers_of(comment: str) -> dict[str, float]:
+    """The stragglers the batch step last saw, from a job's Slurm comment: {"<node> rank <r>": times slower}."""
+    out: dict[str, float] = {}
+    for item in (comment_field(comment, STRAGGLERS_COMMENT) or "").split(","):
+        node, _, rest = item.partition("/")
+        rank, _, ratio = rest.partition("/")
+        with contextlib.suppress(ValueError):
+            out[f"{node} rank {rank}"] = float(ratio)
+    return out
+
+
+def stragglers_text(found: dict[str, float]) -> str:
+    """Stragglers in a few words: "h1 rank 1 (2.3x)", "" for none."""
+    return ", ".join(f"{k} ({x:.1f}x)" for k, x in sorted(found.items()))
+
+
+def should_requeue_hang(*, signalled: bool, done: int, allowance: int, run_started: bool) -> bool:
+    """Whether a job whose ranks hung is requeued to resume its run from its last complete checkpoint: Slurm did
+    not end the job itself meanwhile, its run got as far as starting (there is something to resume), and it
+    has had fewer hang requeues than its allowance (job.json's max_restarts: `--max-restarts`)."""
+    return not signalled and run_started and done < allowance
 
 
 def should_continue(code: int, *, warned: bool, signalled: bool, done: int, limit: int) -> bool:
@@ -249,6 +321,8 @@ def batch(jobfile: str) -> int:
         print(f"{stamp()} dtrain: error: cannot read the run {job['run_url']}: {e}", flush=True)
         return EXIT_FAILURE
     nodes = allocation_nodes()
+    if restarts and comment_field(comment := _job_comment(), STRAGGLERS_COMMENT) is not None:
+        _set_comment(with_field(comment, STRAGGLERS_COMMENT, None))  # the last start's: this one has its own
     verb = "resuming" if resume else "starting"
     print(f"{stamp()} dtrain: job {os.environ.get('SLURM_JOB_ID', '?')} (restart {restarts}) on "
           f"{','.join(nodes)}: {verb} {job['workload']} run {job['run_id']}", flush=True)  # fmt: skip
@@ -276,7 +350,17 @@ def batch(jobfile: str) -> int:
     heard = dict.fromkeys(nodes, time.monotonic() + FIRST_HEARTBEAT_S - LOST_AFTER_S)
     lost: list[str] = []
     stopping = False
+    watch = Hangs(job)
     while (line := _next(lines)) is not None:
+        if watch.kill_at < time.monotonic() and proc.poll() is None:
+            watch.kill_at = float("inf")
+            _kill_steps(job)
+        judge = not stopping and not signalled.is_set() and not lost
+        if judge:
+            watch.check_silent(set(codes))
+        if line.startswith(CONTROL_PREFIX):  # an agent's hang report or its ranks' step times (node steps forward them)
+            watch.on_control(line, judge=judge)
+            continue
         if warned.is_set() and not stopping and not signalled.is_set():
             stopping = True
             print(f"{stamp()} dtrain: the job's time limit is near: every node checkpoints and stops; the job is "
@@ -291,6 +375,7 @@ def batch(jobfile: str) -> int:
                 if "exit" in r:
                     codes[r["node"]] = int(r["exit"])
         elif line:
+            watch.heard(line)
             print(line, flush=True)
         silent = [n for n in nodes if n not in codes and time.monotonic() - heard.get(n, 0) > LOST_AFTER_S]
         if silent and not lost and not signalled.is_set():
@@ -304,7 +389,11 @@ def batch(jobfile: str) -> int:
             break
     proc.wait()
     code = job_code(codes) if not lost and len(codes) >= len(nodes) else EXIT_FAILURE
+    if watch.hang is not None and not lost:
+        code = EXIT_HUNG  # whatever the other nodes' steps made of their stop
     print(f"{stamp()} dtrain: job ended with exit code {code} (nodes: {codes})", flush=True)
+    if watch.hang is not None and not lost:
+        return hang_end(job, watch.hang, signalled=signalled.is_set())
     if stopping and not lost:
         return time_limit_end(job, code, signalled=signalled.is_set())
     if job.get("program"):
@@ -325,7 +414,7 @@ def time_limit_end(job: dict[str, Any], code: int, *, signalled: bool) -> int:
     limit = int(job.get("max_continuations", 0))
     if should_continue(code, warned=True, signalled=signalled, done=done, limit=limit):
         n = done + 1
-        _set_comment(time_limit_comment(n))
+        _set_field(TIME_LIMIT_COMMENT, time_limit_comment(n)[len(TIME_LIMIT_COMMENT) :])
         message = (f"time limit: checkpoint saved; the job is requeued and continues the run (continuation {n} "
                    f"of at most {limit})")  # fmt: skip
         record_time_limit(job, n, limit, message, stopped=False)
@@ -333,7 +422,7 @@ def time_limit_end(job: dict[str, Any], code: int, *, signalled: bool) -> int:
         _requeue()
         return code
     if code == EXIT_PREEMPTED and not signalled:
-        _set_comment(time_limit_comment(done, stopped=True))
+        _set_field(TIME_LIMIT_COMMENT, time_limit_comment(done, stopped=True)[len(TIME_LIMIT_COMMENT) :])
         message = (f"time limit: checkpoint saved; not continued: the job has had its {limit} continuation(s) "
                    "(max_continuations); resume the run to go on")  # fmt: skip
         record_time_limit(job, done, limit, message, stopped=True)
@@ -341,6 +430,201 @@ def time_limit_end(job: dict[str, Any], code: int, *, signalled: bool) -> int:
     elif job.get("program"):
         program_ended(job, code, requeued=False)
     return code
+
+
+class Hangs:
+    """The batch step's side of hang detection (docs/hangs.md, "Slurm"), as the SSH launcher's
+    (dtrain.control.remote.Job._on_hang, _on_alive): the node agents' control lines, forwarded by the node steps
+    with their node's name. A hang: its stacks into the run (hangs/<node>-rank<r>.txt), one line, a `hang` row
+    in events.jsonl, and every node's step stopped (SIGTERM, SIGKILL HANG_KILL_S later); `hang_end` then
+    requeues the job or ends it. The agents' median step times: the stragglers, in the run's events and in the
+    job's Slurm comment (`dtrain jobs`)."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.hang: dict[str, Any] | None = None  # the first hang reported
+        self.kill_at = float("inf")
+        self.medians: dict[str, dict[str, float]] = {}  # node -> rank -> median step interval (s)
+        self.stragglers: dict[str, float] = {}  # "<node> rank <r>" -> times slower, as last reported
+        self.alive: dict[str, tuple[float, float]] = {}  # node -> (its agent's last "alive", its hang timeout)
+
+    def check_silent(self, ended: set[str]) -> None:
+        """An agent that said "alive" once and then nothing for its hang timeout (at least SILENT_FLOOR_S) while
+        its node's step still runs (`ended`: the nodes whose steps have ended) is taken for hung, as over SSH."""
+        if self.hang is not None:
+            return
+        now = time.monotonic()
+        for node, (at, timeout) in self.alive.items():
+            limit = max(SILENT_FLOOR_S, timeout)
+            if node not in ended and timeout > 0 and now - at > limit:
+                _signal_steps("TERM")
+                self.kill_at = now + HANG_KILL_S
+                line = f"dtrain: hang on {node}: its agent has printed nothing for {limit:.0f} s; stopping the job"
+                self.hang = {"node": node, "silent_s": round(now - at, 1), "message": line}
+                note(line)
+                row = {"time": round(time.time(), 3), "step": None, "event": HANG_EVENT, "message": line, "node": node,
+                       "silent_s": self.hang["silent_s"], "job_id": os.environ.get("SLURM_JOB_ID", "")}  # fmt: skip
+                record_run(self.job, events=[row])
+                return
+
+    def heard(self, line: str) -> None:
+        """Any line of a node's agent ("[<node>] ..." as its step prints it) says it answers, as over SSH."""
+        node = line[1:].partition("] ")[0] if line.startswith("[") else ""
+        if node in self.alive:
+            self.alive[node] = (time.monotonic(), self.alive[node][1])
+
+    def on_control(self, line: str, *, judge: bool) -> None:
+        """`judge`: a hang is acted on (not while the job stops for its time limit, or Slurm ends it)."""
+        try:
+            ev = json.loads(line[len(CONTROL_PREFIX) :])
+        except ValueError:
+            return
+        if not isinstance(ev, dict):
+            return
+        node = str(ev.pop("node", "") or ev.get("host") or "?")
+        if ev.get("event") == HANG_EVENT and judge:
+            self.on_hang(node, ev)
+        elif ev.get("event") == "alive":
+            with contextlib.suppress(TypeError, ValueError):
+                self.alive[node] = (time.monotonic(), float(ev.get("timeout_s") or 0))
+            self.on_alive(node, ev)
+
+    def on_hang(self, node: str, ev: dict[str, Any]) -> None:
+        if self.hang is not None:
+            return
+        _signal_steps("TERM")  # the hung node's agent stops its own ranks; the others wait in a collective
+        self.kill_at = time.monotonic() + HANG_KILL_S
+        line, facts, files = hang_report(self.job["run_url"], node, ev)
+        self.hang = {**facts, "message": line}
+        record_run(self.job, files=files)  # the stacks first: the line names their file
+        note(line)
+        rest = {k: v for k, v in facts.items() if k != "step"}
+        row = {"time": round(time.time(), 3), "step": ev.get("step"), "event": HANG_EVENT, "message": line, **rest,
+               "job_id": os.environ.get("SLURM_JOB_ID", "")}  # fmt: skip
+        record_run(self.job, events=[row])
+
+    def on_alive(self, node: str, ev: dict[str, Any]) -> None:
+        from dtrain.common.progress import stragglers
+
+        medians = ev.get("medians")
+        if not isinstance(medians, dict):
+            return
+        with contextlib.suppress(TypeError, ValueError):
+            self.medians[node] = {str(r): float(m) for r, m in medians.items()}
+        now = stragglers({f"{n} rank {r}": m for n, ms in self.medians.items() for r, m in ms.items()})
+        if set(now) == set(self.stragglers):
+            return
+        self.stragglers = now
+        if now:
+            text = ", ".join(f"{k} ({x:.1f}x the others' median step)" for k, x in sorted(now.items()))
+            message = f"dtrain: straggler: {text}"
+        else:
+            message = "dtrain: no straggler any more"
+        note(message)
+        row = {"time": round(time.time(), 3), "step": None, "event": STRAGGLER_EVENT, "message": message,
+               "stragglers": now}  # fmt: skip
+        record_run(self.job, events=[row])
+        _set_field(STRAGGLERS_COMMENT, stragglers_field(now))
+
+
+def hang_report(run_url: str, node: str, ev: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """An agent's hang event (dtrain.common.nodeagent.HangWatch.report) as the run records it: the line, the
+    event's facts, and the stack files (relative path in the run -> text)."""
+    files = {f"hangs/{node}-rank{r}.txt": str(text) for r, text in (ev.get("stacks") or {}).items()}
+    rel = f"hangs/{node}-rank{ev.get('rank')}.txt"
+    where = f"{run_url.rstrip('/')}/{rel}" if rel in files else f"the agent's hangs/ on {node}"
+    since = "before its first step" if ev.get("step") is None else f"since step {ev['step']}"
+    line = (f"dtrain: hang on {node} rank {ev.get('rank')}: no progress for {float(ev.get('age_s') or 0):.0f} s "
+            f"{since}; stacks in {where}")  # fmt: skip
+    facts = {"node": node, "rank": ev.get("rank"), "step": ev.get("step"), "age_s": ev.get("age_s"),
+             "timeout_s": ev.get("timeout_s"), "state": ev.get("state"), "stacks": where}  # fmt: skip
+    return line, facts, files
+
+
+def hang_end(job: dict[str, Any], hang: dict[str, Any], *, signalled: bool) -> int:
+    """The job hung (its nodes' steps have ended): requeue it to resume its run from the last complete checkpoint
+    while its allowance lasts (job.json's max_restarts, the `--max-restarts` of the request; the hang requeues so
+    far are counted in its Slurm comment, `dtrain:hangs:N`), else end it with exit 4 and the run failed."""
+    done = hang_requeues(_job_comment())
+    allowance = int(job.get("max_restarts") or 0)
+    try:
+        started = run_exists(job)
+    except Exception:  # noqa: BLE001 - the run cannot be read: nothing to resume from
+        started = False
+    what = str(hang["message"]).removeprefix("dtrain: ")
+    if should_requeue_hang(signalled=signalled, done=done, allowance=allowance, run_started=started):
+        n = done + 1
+        _set_field(HANGS_COMMENT, str(n))
+        record_run(job, status={"state": "requeued", "reason": "hang", "hang_restarts": n},
+                   drop=("exit_code", "error", "pid"))  # fmt: skip
+        note(f"dtrain: the job hung: requeued; it resumes from its last complete checkpoint (restart {n} of "
+             f"{allowance})")  # fmt: skip
+        _requeue()
+        return EXIT_HUNG
+    if signalled:
+        why = "the job was cancelled meanwhile"
+    elif not started:
+        why = "its run had not started"
+    else:
+        why = f"it has had its {allowance} restart(s) (--max-restarts)" if allowance else "--max-restarts is 0"
+    record_run(job, status={"state": "failed", "exit_code": EXIT_HUNG, "error": f"hung: {what}"})
+    note(f"dtrain: the job hung and ends (exit {EXIT_HUNG}), not requeued: {why}")
+    return EXIT_HUNG
+
+
+def note(line: str) -> None:
+    """One of the batch step's own lines: to the job's output file and to this node's log in the job's directory
+    (logs/<node>.log, appended whole), which `dtrain logs` and `dtrain train`'s follower show."""
+    text = f"{stamp()} {line}"
+    print(text, flush=True)
+    name = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+    with contextlib.suppress(OSError):
+        Path("logs").mkdir(exist_ok=True)
+        fd = os.open(f"logs/{name}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (text + "\n").encode())
+        finally:
+            os.close(fd)
+
+
+def record_run(
+    job: dict[str, Any],
+    *,
+    files: dict[str, str] | None = None,
+    events: list[dict[str, Any]] | None = None,
+    status: dict[str, Any] | None = None,
+    drop: tuple[str, ...] = (),
+) -> None:
+    """Write into the job's run: `files` (relative path -> text), `events` (events.jsonl rows), `status` (merged
+    into status.json, `drop` keys removed). Best effort, each part on its own: the run's store may be a folder or
+    gs://; in container mode the node has no storage libraries and the job's image does it."""
+    if job.get("image") and not os.environ.get(IN_IMAGE_ENV):
+        path = Path(f"record-{os.getpid()}-{time.monotonic_ns()}.json")
+        with contextlib.suppress(Exception):
+            path.write_text(json.dumps({"files": files, "events": events, "status": status, "drop": list(drop)}))
+            in_image(job, ["record", "job.json", str(path)], capture=True)
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return
+    from dtrain.common.rundir import read_json, write_json
+    from dtrain.common.storage import open_store
+
+    with _environ(job_env(job)):
+        try:
+            run = open_store(job["run_url"])
+        except Exception:  # noqa: BLE001
+            return
+        for rel, text in (files or {}).items():
+            with contextlib.suppress(Exception):
+                run.write_bytes(rel, text.encode())
+        for row in events or []:
+            with contextlib.suppress(Exception):
+                run.append_bytes("events.jsonl", (json.dumps(row, default=str) + "\n").encode())
+        if status is not None:
+            with contextlib.suppress(Exception):
+                prev = read_json(run, "status.json") or {}
+                body = {k: v for k, v in prev.items() if k not in drop}
+                write_json(run, "status.json", {**body, **status, "updated": time.time()})
 
 
 def record_time_limit(job: dict[str, Any], count: int, limit: int, message: str, *, stopped: bool) -> None:
@@ -369,12 +653,11 @@ def record_time_limit(job: dict[str, Any], count: int, limit: int, message: str,
 def _signal_steps(name: str) -> None:
     """Signal every process of the job's steps (srun's tasks on every node), not the batch step, as Slurm's own
     termination does: the built-ins checkpoint and exit 3, a program's node step makes its stop file."""
-    subprocess.run(["scancel", f"--signal={name}", os.environ["SLURM_JOB_ID"]], check=False)
+    _slurm(["scancel", f"--signal={name}", os.environ.get("SLURM_JOB_ID", "")])
 
 
 def _job_comment() -> str:
-    out = subprocess.run(["scontrol", "-o", "show", "job", os.environ.get("SLURM_JOB_ID", "")],
-                         capture_output=True, text=True, check=False).stdout  # fmt: skip
+    out = _slurm(["scontrol", "-o", "show", "job", os.environ.get("SLURM_JOB_ID", "")])
     for field in out.split():
         if field.startswith("Comment="):
             return field.split("=", 1)[1]
@@ -382,7 +665,33 @@ def _job_comment() -> str:
 
 
 def _set_comment(comment: str) -> None:
-    subprocess.run(["scontrol", "update", f"JobId={os.environ['SLURM_JOB_ID']}", f"Comment={comment}"], check=False)
+    _slurm(["scontrol", "update", f"JobId={os.environ.get('SLURM_JOB_ID', '')}", f"Comment={comment}"])
+
+
+def _slurm(argv: list[str]) -> str:
+    """One of Slurm's commands, its output; "" where it cannot run (the batch step goes on: best effort)."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _set_field(prefix: str, value: str | None) -> None:
+    """One of dtrain's fields in the job's Slurm comment (None: removed), the others kept."""
+    _set_comment(with_field(_job_comment(), prefix, value))
+
+
+def _kill_steps(job: dict[str, Any]) -> None:
+    """SIGKILL to every process of the job's steps (srun's tasks), not the batch step: what a hang's SIGTERM left.
+    Not in container mode: the containers are not the steps' processes, and their agents stop them (a killed
+    node step would leave its container running); srun's --wait ends those steps."""
+    if job.get("image"):
+        return
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    out = _slurm(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"])
+    steps = [s for s in out.split() if s.startswith(f"{job_id}.") and s.split(".", 1)[1].isdigit()]
+    for step in steps:  # scancel --signal=KILL of the job itself would reach the batch step too
+        _slurm(["scancel", "--signal=KILL", step])
 
 
 def program_started(job: dict[str, Any], *, restarts: int, nodes: list[str], resume: bool) -> None:
@@ -484,13 +793,23 @@ def processes(job: dict[str, Any], cpus: int, gpus: int, where: str = "this node
 
 
 def fill(spec: Any, values: dict[str, str], args: list[str]) -> Any:
-    """The spec with every token replaced, and ARGS_TOKEN spliced out into `args`."""
+    """The spec with every token replaced, and ARGS_TOKEN spliced out into `args`; a container's inner agent
+    spec (INNER_SPEC_KEY) filled in too and put in the environment it is read from."""
+    out = _fill(spec, values, args)
+    if isinstance(out, dict) and INNER_SPEC_KEY in out:
+        from dtrain.common.nodeagent import INNER_SPEC_ENV
+
+        out.setdefault("env", {})[INNER_SPEC_ENV] = json.dumps(out.pop(INNER_SPEC_KEY))
+    return out
+
+
+def _fill(spec: Any, values: dict[str, str], args: list[str]) -> Any:
     if isinstance(spec, dict):
-        return {k: fill(v, values, args) for k, v in spec.items()}
+        return {k: _fill(v, values, args) for k, v in spec.items()}
     if isinstance(spec, list):
         out: list[Any] = []
         for v in spec:
-            out.extend(args if v == ARGS_TOKEN else [fill(v, values, args)])
+            out.extend(args if v == ARGS_TOKEN else [_fill(v, values, args)])
         return out
     if isinstance(spec, str):
         for token, value in values.items():
@@ -577,7 +896,7 @@ def node(jobfile: str, mode: str) -> int:
                 emit(f"error: {e}")
                 code = EXIT_USAGE
                 return code
-            stopping.update(file=spec["files"]["stop_file"], grace=float(spec.get("grace_s", 45.0)))
+            stopping.update(file=spec["files"]["stop_file"], grace=float(spec.get("grace_s", STOP_GRACE_S)))
             if container:  # the program in its image: an agent inside runs the spec (nodeagent.program_container)
                 from dtrain.common.nodeagent import program_container
 
@@ -594,16 +913,19 @@ def node(jobfile: str, mode: str) -> int:
         )
         agent.stdin.write((json.dumps(spec) + "\n").encode())  # type: ignore[union-attr]
         agent.stdin.flush()  # type: ignore[union-attr]
+        hang_line = None
         for raw in agent.stdout:  # type: ignore[union-attr]
             line = raw.decode(errors="replace").rstrip("\r\n")
-            if not line.startswith(CONTROL_PREFIX):
+            if line.startswith(CONTROL_PREFIX):
+                hang_line = forward_control(line, name) or hang_line
+            elif line != hang_line:  # the agent's own hang line names its node's file: the batch step names the run's
                 emit(line)
         code = agent.wait()
         if code == SIGTERM_EXIT and signal.SIGTERM in got:
             code = EXIT_PREEMPTED  # torchrun was sent SIGTERM with its workers, which checkpointed and stopped
         elif program and signal.SIGINT in got:
             code = EXIT_INTERRUPTED
-        elif program and signal.SIGTERM in got and code in (EXIT_OK, EXIT_PREEMPTED):
+        elif program and signal.SIGTERM in got and stopped_as_asked(code):
             code = EXIT_PREEMPTED  # asked to stop, and it did: safe to resume (as dtrain.control.userjob.exit_code)
         if code == EXIT_PREEMPTED and Path(TIME_LIMIT_MARK).exists():
             # The ranks' own "preempted ... resume with --resume" is not the next step here: say what is.
@@ -617,6 +939,22 @@ def node(jobfile: str, mode: str) -> int:
         if not container:
             _keep_log(job, logs / f"{name}.log")
         say(RESULT_PREFIX + json.dumps({"node": name, "exit": code}))
+
+
+def forward_control(line: str, node: str) -> str | None:
+    """An agent's hang report or its ranks' step times (its "alive" lines), to the batch step (class Hangs) with
+    this node's name; each rank's stacks cut to STACK_MAX_CHARS (srun carries whole lines). A hang report's own
+    line, which the agent prints next, is returned."""
+    try:
+        ev = json.loads(line[len(CONTROL_PREFIX) :])
+    except ValueError:
+        return None
+    if not isinstance(ev, dict) or ev.get("event") not in (HANG_EVENT, "alive"):
+        return None
+    if isinstance(ev.get("stacks"), dict):
+        ev["stacks"] = {r: str(t)[-STACK_MAX_CHARS:] for r, t in ev["stacks"].items()}
+    say(CONTROL_PREFIX + json.dumps({**ev, "node": node}))
+    return ev.get("line") if ev.get("event") == HANG_EVENT else None
 
 
 def program_spec(
@@ -734,6 +1072,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if exists(args[1]) else 1
     if args[:1] == ["started"] and len(args) == 5:  # program_started, in the job's image
         program_started(read_job(args[1]), restarts=int(args[2]), nodes=args[3].split(","), resume=args[4] == "1")
+        return 0
+    if args[:1] == ["record"] and len(args) == 3:  # record_run, in the job's image
+        what = json.loads(Path(args[2]).read_text())
+        record_run(read_job(args[1]), files=what.get("files"), events=what.get("events"), status=what.get("status"),
+                   drop=tuple(what.get("drop") or ()))  # fmt: skip
         return 0
     if args[:1] == ["ended"] and len(args) == 4:  # program_ended, in the job's image
         program_ended(read_job(args[1]), int(args[2]), requeued=args[3] == "1")

@@ -120,7 +120,8 @@ def test_a_node_fills_in_the_allocation(tmp_path: Path, image: str) -> None:
               "__dtrain_nproc__": "1", "__dtrain_threads__": "8", "__dtrain_node__": "n1",
               "__dtrain_nnodes__": "2"}  # fmt: skip
     spec = slurmstep.fill(job["specs"]["n1"], values, job["argv_resume"])
-    torchrun = spec["container"]["args"] if image else spec["argv"][3:]
+    # In an image an agent inside the container runs torchrun: its spec travels in the environment.
+    torchrun = json.loads(spec["env"]["DTRAIN_INTERNAL_AGENT_SPEC"])["argv"][3:] if image else spec["argv"][3:]
     assert "__dtrain" not in json.dumps(spec)
     assert torchrun[:14] == [
         "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.10:29400",

@@ -107,7 +107,7 @@ class JobState:
     elapsed: str = ""  # [D-]HH:MM:SS
     nodes: int = 0
     nodelist: str = ""
-    comment: str = ""  # the job's Slurm comment: dtrain's time-limit continuations (dtrain.common.slurmstep)
+    comment: str = ""  # the job's Slurm comment: dtrain's continuations, hang requeues, stragglers (slurmstep)
 
     @property
     def continuations(self) -> int:
@@ -122,6 +122,20 @@ class JobState:
         from dtrain.common.slurmstep import continuations
 
         return continuations(self.comment)[1]
+
+    @property
+    def hang_restarts(self) -> int:
+        """Times the job's ranks hung and the job was requeued to resume its run."""
+        from dtrain.common.slurmstep import hang_requeues
+
+        return hang_requeues(self.comment)
+
+    @property
+    def stragglers(self) -> str:
+        """The job's stragglers as its batch step last saw them ("h1 rank 1 (2.3x)"; "": none)."""
+        from dtrain.common.slurmstep import stragglers_of, stragglers_text
+
+        return stragglers_text(stragglers_of(self.comment))
 
     @property
     def active(self) -> bool:

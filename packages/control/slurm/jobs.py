@@ -116,6 +116,8 @@ class JobRow:
             "restarts": s.restarts if s else 0,
             "continuations": s.continuations if s else 0,  # requeued at the time limit to continue the run
             "time_limit": time_limit_state(s),
+            "hang_restarts": s.hang_restarts if s else 0,  # requeued after a hang (dtrain:hangs:N in its comment)
+            "stragglers": s.stragglers if s else "",  # "h1 rank 1 (2.3x)": as the batch step last saw them
             "run_id": self.record.run_id,
             "url": self.record.url,
             "eval_id": self.record.eval_id,
@@ -302,6 +304,8 @@ def _submit(
         paths=node_paths(args, run.url),
         debug=req.debug,
         time=getattr(req, "time", ""),
+        hang_timeout=r.settings.launch.hang_timeout_s,
+        max_restarts=r.settings.launch.max_restarts,
     )
     rec = _queue(s, JobRecord("", name, workload, run_id, run.url, job_dir, nodes, time.time(), cluster.name), files)
     result = SubmitResult(
@@ -864,7 +868,8 @@ def _report(before: JobState | None, now: JobState | None, events: Events) -> No
             continued=not now.continuations_stopped,
         )
     if before is not None and now.restarts > before.restarts:
-        events.emit("stage", f"dtrain: job {now.job_id} was requeued (restart {now.restarts}): it resumes the run")
+        why = " after a hang" if now.hang_restarts > before.hang_restarts else ""
+        events.emit("stage", f"dtrain: job {now.job_id} was requeued{why} (restart {now.restarts}): it resumes the run")
     if now.state in ("PENDING", "REQUEUED"):
         events.emit("stage", f"dtrain: job {now.job_id} is queued ({now.reason or now.state})")
     elif now.state == "RUNNING" and (before is None or before.state != "RUNNING"):

@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from dtrain.common.slurmstep import ARGS_TOKEN
+from dtrain.common.slurmstep import ARGS_TOKEN, INNER_SPEC_KEY
 from dtrain.control.cluster import Cluster, Node
 
 MASTER = Node(name="__dtrain_master__", address="__dtrain_master_addr__")  # the allocation's first node
@@ -56,9 +56,18 @@ def node_template(cluster: Cluster, node: Node, **spec_args: Any) -> dict[str, A
         argv=[ARGS_TOKEN],
         **spec_args,
     )
-    torchrun = spec["container"]["args"] if spec.get("container") else spec["argv"]
+    from dtrain.common.nodeagent import INNER_SPEC_ENV
+
+    inner = json.loads(spec["env"][INNER_SPEC_ENV]) if INNER_SPEC_ENV in spec.get("env", {}) else None
+    if inner is not None:  # container mode with an agent inside: torchrun is in that agent's spec
+        torchrun = inner["argv"]
+    else:
+        torchrun = spec["container"]["args"] if spec.get("container") else spec["argv"]
     _set(torchrun, "--nnodes", "__dtrain_nnodes__")
     _set(torchrun, "--rdzv-conf", _option(torchrun, "--rdzv-conf").replace("is_host=0", "is_host=__dtrain_is_host__"))
+    if inner is not None:  # kept as JSON, not a string, until the node fills it in (slurmstep.fill)
+        del spec["env"][INNER_SPEC_ENV]
+        spec[INNER_SPEC_KEY] = inner
     return spec
 
 
@@ -88,15 +97,19 @@ def job_files(
     paths: Mapping[str, str],
     debug: bool,
     time: str = "",
+    hang_timeout: float | None = None,
+    max_restarts: int = 0,
 ) -> JobFiles:
     """The batch script and job.json of one job. `argv_new` None: the job continues an existing run. `time`:
-    its --time ("": the cluster table's)."""
+    its --time ("": the cluster table's). `hang_timeout`: the node agents' (None: from the step time, 0: off);
+    `max_restarts`: how many times a job whose ranks hung is requeued (dtrain.common.slurmstep.hang_end)."""
     assert cluster.slurm is not None
     s = cluster.slurm
     from dtrain.control.settings import builtin
 
     module = builtin(workload).module
-    common = {"module": module, "run_id": run_id, "gpus": gpus_per_node, "paths": dict(paths), "debug": debug}
+    common = {"module": module, "run_id": run_id, "gpus": gpus_per_node, "paths": dict(paths), "debug": debug,
+              "hang_timeout": hang_timeout}  # fmt: skip
     if s.managed:  # each node as the inventory (or the cluster record) describes it
         specs = {n.name: node_template(cluster, n, **common) for n in cluster.nodes}
     else:  # nodes Slurm picks: the login node's settings (shared Python, workdir) hold for all
@@ -119,6 +132,7 @@ def job_files(
         "interactive": interactive,
         "time": time or s.time,
         "max_continuations": s.max_continuations,
+        "max_restarts": max_restarts,
     }
     return JobFiles(script=batch_script(cluster, job, nodes=nodes, gpus_per_node=gpus_per_node), job=job)
 
@@ -237,6 +251,7 @@ def program_files(
         "interactive": interactive,
         "time": time or s.time,
         "max_continuations": s.max_continuations,
+        "max_restarts": plan.max_restarts,  # requeues after a hang; the agents' hang timeout is in each spec
         "program": {
             "torchrun": plan.job.program.under_torchrun,
             "setup": list(plan.job.setup),
