@@ -167,3 +167,18 @@ def test_a_third_builtin_is_its_package_and_one_registry_entry(tmp_path: Path):
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "--width" in r.stdout and "hidden width of the toy" in r.stdout, r.stdout
+
+
+def test_the_stop_grace_has_one_home() -> None:
+    """SIGTERM, then the grace, then SIGKILL: every launcher and agent takes the grace from dtrain.common.jobenv.
+    The node agent, which also runs copied alone (it imports no sibling), keeps a copy that must agree."""
+    import re
+
+    from dtrain.common import jobenv, nodeagent
+
+    assert nodeagent.DEFAULT_GRACE_S == jobenv.STOP_GRACE_S
+    literal = re.compile(r"\b45\.0\b")  # the grace as a float literal
+    for path in [*(REPO / "packages" / "control").rglob("*.py"), REPO / "packages" / "common" / "slurmstep.py"]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            assert not literal.search(code), f"{path.relative_to(REPO)}:{n}: {line.strip()}"

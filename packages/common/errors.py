@@ -20,6 +20,17 @@ class ExitCode(enum.IntEnum):
     INTERRUPTED = 130  # Ctrl-C
 
 
+# How a program that dtrain asked to stop (SIGTERM: a cancel, a preemption, a time limit) may end when it did
+# stop as asked: 0 (it finished), PREEMPTED (it checkpointed), 1 (torchrun reports its SIGTERM'd workers as a
+# failure), 128 + SIGTERM or -SIGTERM (it died of the signal). Such a run is safe to resume: it ends PREEMPTED.
+STOPPED_AS_ASKED = frozenset({0, int(ExitCode.FAILURE), int(ExitCode.PREEMPTED), 128 + 15, -15})
+
+
+def stopped_as_asked(code: int) -> bool:
+    """Whether a program asked to stop (SIGTERM) ended as one that stopped: its run ends PREEMPTED."""
+    return code in STOPPED_AS_ASKED
+
+
 class UserError(Exception):
     """A mistake the user can fix. Printed as one line (what was wrong, what to do), no traceback.
 

@@ -28,6 +28,11 @@ MASTER_PORT = "DTRAIN_MASTER_PORT"  # a free port on the master, for the job's o
 # dtrain.sdk.log(step=...) at most once a second; the node agent reads it to find hung ranks (docs/hangs.md).
 PROGRESS_DIR = "DTRAIN_PROGRESS_DIR"
 
+# A stop (cancel, preemption, a time limit's warning, a lost launcher) is SIGTERM and the stop file, then this
+# long before SIGKILL: torchrun gives its workers 30 s after SIGTERM, and GCE gives a Spot VM about 30 s. Every
+# launcher and agent takes it from here.
+STOP_GRACE_S = 45.0
+
 ALL = frozenset(
     {
         RUN,

@@ -39,7 +39,7 @@ from typing import Any
 
 CONTROL_PREFIX = "\x02dtrain-agent "  # lines the launcher reads instead of printing
 SIGNALS = {"INT": signal.SIGINT, "TERM": signal.SIGTERM, "KILL": signal.SIGKILL}
-DEFAULT_GRACE_S = 45.0
+DEFAULT_GRACE_S = 45.0  # = jobenv.STOP_GRACE_S (this module also runs copied alone: it imports no sibling)
 WATCH_EVERY_S = 1.0  # the ranks' progress is looked at this often (dtrain.common.progress)
 ALIVE_EVERY_S = 5.0  # an "alive" control line this often (at most): the launcher takes a silent agent for hung
 STACKS_WAIT_S = 3.0  # how long the hung ranks get to write their stacks before the job is stopped anyway

@@ -27,6 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dtrain.common import jobenv
 from dtrain.common.errors import ExitCode, UserError
 from dtrain.common.nproc import MAX_PROCS_PER_CORE, auto_nproc, processes  # noqa: F401  # their home: common
 from dtrain.common.procs import dies_with_parent
@@ -40,7 +41,7 @@ from dtrain.control.events import Events, Handle, Stop
 # (2 of 4 restarts of the torchrun script in tests/control/test_local_hangs.py). With this, rank 0 hosts a new
 # store for every start.
 RESTARTABLE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-SHUTDOWN_GRACE_S = 45.0  # torchrun gives workers 30 s after SIGTERM; GCP gives ~30 s before stop
+SHUTDOWN_GRACE_S = jobenv.STOP_GRACE_S  # SIGTERM, then this long before SIGKILL
 POLL_S = 0.2
 
 

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from dtrain.common import jobenv
 from dtrain.common.errors import ExitCode, UserError
 from dtrain.common.metrics import PROGRESS_PREFIX
 from dtrain.common.nodeagent import CONTAINER_MOUNTS, CONTROL_PREFIX, INNER_SPEC_ENV, job_container_name
@@ -61,7 +62,7 @@ INT_GRACE_S = 5.0  # Ctrl-C: the job's processes get this long to exit before th
 FAIL_FAST_GRACE_S = 15.0  # a node failed: the others get this long to notice before they are killed
 HANG_GRACE_S = 5.0  # a node reported a hang: the others get SIGTERM, and SIGKILL this much later
 SILENT_FLOOR_S = 30.0  # an agent that printed nothing (not even its "alive" line) this long, at least: hung
-SHUTDOWN_GRACE_S = 45.0  # SIGTERM: workers checkpoint and exit PREEMPTED
+SHUTDOWN_GRACE_S = jobenv.STOP_GRACE_S  # SIGTERM: workers checkpoint and exit PREEMPTED
 PORT_CHECK_TIMEOUT_S = 5.0
 LOG_SYNC_S = 2.0  # a node's lines reach the run's logs/ at least this often (and at the end)
 JOB_ENDED = "dtrain: job ended"  # the last line of each node's log for one launch of the job

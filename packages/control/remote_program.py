@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.errors import ExitCode, UserError, stopped_as_asked
 from dtrain.common.storage import is_remote
 from dtrain.control.cluster import Cluster, Node
 from dtrain.control.events import Events, Handle
@@ -249,7 +249,7 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
                     logs.write(node.name, f"{JOB_ENDED} (exit {running.codes.get(node.name, code)})")
                 if code not in (0, int(ExitCode.USAGE), int(ExitCode.PREEMPTED)) and not running.interrupted:
                     running.report_failure(events)
-                if terminated and code in (0, int(ExitCode.FAILURE), 128 + 15):
+                if terminated and stopped_as_asked(code):
                     code = int(ExitCode.PREEMPTED)  # asked to stop, and it did: safe to resume
                 retry = code not in (0, int(ExitCode.USAGE), int(ExitCode.PREEMPTED)) and not running.interrupted
                 if not retry or attempt >= max_restarts:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.common import jobenv
-from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.errors import ExitCode, UserError, stopped_as_asked
 from dtrain.common.procs import dies_with_parent
 from dtrain.common.rundir import read_json, write_json
 from dtrain.common.storage import Store, is_remote
@@ -35,7 +35,7 @@ from dtrain.control.events import Events, Handle, Stop
 from dtrain.control.launch import LaunchResult
 from dtrain.control.program import Job, check_program, run_prefix
 
-SHUTDOWN_GRACE_S = 45.0  # SIGTERM, then this long before SIGKILL (the same budget as a built-in's)
+SHUTDOWN_GRACE_S = jobenv.STOP_GRACE_S  # SIGTERM, then this long before SIGKILL (the same budget as a built-in's)
 # The copy interval of the checkpoint directory (tests shorten it; 30 s costs a long run nothing).
 MIRROR_INTERVAL_S = float(os.environ.get("DTRAIN_INTERNAL_MIRROR_INTERVAL_S", "30"))
 
@@ -436,7 +436,7 @@ def exit_code(code: int, forwarded: list[int]) -> int:
     PREEMPTED (it was asked to stop and did: safe to resume); Ctrl-C is INTERRUPTED."""
     if signal.SIGINT in forwarded:
         return int(ExitCode.INTERRUPTED)
-    if signal.SIGTERM in forwarded and code in (0, -signal.SIGTERM, 128 + signal.SIGTERM, int(ExitCode.PREEMPTED)):
+    if signal.SIGTERM in forwarded and stopped_as_asked(code):
         return int(ExitCode.PREEMPTED)
     if code < 0:
         return int(ExitCode.FAILURE)

@@ -27,6 +27,7 @@ import importlib
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dtrain.common.errors import UserError
+from dtrain.common.jobenv import STOP_GRACE_S
 
 if TYPE_CHECKING:
     from dtrain.control.cluster import Cluster
@@ -51,7 +52,7 @@ class Plan:
     oversubscribe: bool = False
     tty: bool = False  # the caller's output is a terminal (a built-in draws a live bar)
     debug: bool = False
-    grace_s: float = 45.0
+    grace_s: float = STOP_GRACE_S
     # A built-in's own resolution (its LaunchRequest and launch.Resolved): its flags, output and resumed run.
     builtin: Any = None
 
