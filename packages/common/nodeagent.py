@@ -571,10 +571,7 @@ class HangWatch:
             self.save_to.mkdir(parents=True, exist_ok=True)
             for r, text in stacks.items():
                 (self.save_to / f"{self.host}-rank{r}.txt").write_text(text)
-        step = "before its first step" if rk.step is None else f"since step {rk.step}"
-        line = (
-            f"dtrain: hang on {self.host} rank {rk.rank}: no progress for {hang.age_s:.0f} s {step}; stacks in {path}"
-        )
+        line = self.progress.hang_line(self.host, rk.rank, hang.age_s, rk.step, str(path))
         _control({"event": "hang", "host": self.host, "rank": rk.rank, "step": rk.step, "state": rk.state,
                   "age_s": round(hang.age_s, 1), "timeout_s": round(hang.timeout_s, 1), "stacks": stacks,
                   "line": line})  # fmt: skip

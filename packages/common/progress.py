@@ -24,6 +24,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 PROGRESS_DIR = "DTRAIN_PROGRESS_DIR"  # = jobenv.PROGRESS_DIR (jobenv documents it; this module stays stand-alone)
 STACKS_DIR = "DTRAIN_INTERNAL_STACKS_DIR"  # where sitecustomize's SIGUSR1 handler writes <pid>.txt
@@ -118,6 +119,49 @@ def straggler_note(found: Mapping[str, float]) -> str:
     return "dtrain: straggler: " + ", ".join(
         f"{k} ({x:.1f}x the others' median step)" for k, x in sorted(found.items())
     )
+
+
+# --- what a hang is called -------------------------------------------------------------------------------
+# One wording on every backend: the line a launcher prints (and the run's events.jsonl keeps), and the error
+# a hung run's status.json ends with. `facts` are a hang event's: node, rank, step, age_s, stacks (where the
+# stuck rank's stacks are); or node and silent_s for an agent that stopped answering.
+
+
+def _since(step: Any) -> str:
+    return "before its first step" if step is None else f"since step {step}"
+
+
+def hang_line(node: str, rank: Any, age_s: Any, step: Any, where: str) -> str:
+    """The one line a hang gets: "dtrain: hang on h1 rank 2: no progress for 31 s since step 25; stacks in ..."."""
+    age = f"{float(age_s or 0):.0f} s"
+    return f"dtrain: hang on {node} rank {rank}: no progress for {age} {_since(step)}; stacks in {where}"
+
+
+def silent_line(node: str, limit_s: float) -> str:
+    return f"dtrain: hang on {node}: its agent has printed nothing for {limit_s:.0f} s; stopping the job"
+
+
+def hang_error(facts: Mapping[str, Any]) -> str:
+    """status.json's error for a job stopped for the hang these facts describe."""
+    if facts.get("silent_s") is not None:
+        return f"hung: the agent on {facts.get('node')} printed nothing for {float(facts['silent_s']):.0f} s"
+    age, where = f"{float(facts.get('age_s') or 0):.0f} s", facts.get("stacks") or "hangs/"
+    return (
+        f"hung: no progress for {age} on {facts.get('node')} rank {facts.get('rank')} {_since(facts.get('step'))}; "
+        f"stacks in {where}"
+    )
+
+
+def hang_report(run_url: str, node: str, ev: Mapping[str, Any]) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """An agent's hang event (dtrain.common.nodeagent.HangWatch.report) as a run records it: the line, the event's
+    facts, and the stack files (path in the run -> text). `run_url` "" (no run to write to): the stacks are named
+    where the agent left them."""
+    files = {f"hangs/{node}-rank{r}.txt": str(text) for r, text in (ev.get("stacks") or {}).items()}
+    rel = f"hangs/{node}-rank{ev.get('rank')}.txt"
+    where = f"{run_url.rstrip('/')}/{rel}" if run_url and rel in files else f"the agent's hangs/ on {node}"
+    facts = {"node": node, "rank": ev.get("rank"), "step": ev.get("step"), "age_s": ev.get("age_s"),
+             "timeout_s": ev.get("timeout_s"), "state": ev.get("state"), "stacks": where}  # fmt: skip
+    return hang_line(node, ev.get("rank"), ev.get("age_s"), ev.get("step"), where), facts, files
 
 
 # --- watching a node's ranks -----------------------------------------------------------------------------

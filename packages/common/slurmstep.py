@@ -63,6 +63,7 @@ from typing import Any
 
 from dtrain.common.errors import UserError, stopped_as_asked
 from dtrain.common.jobenv import STOP_GRACE_S
+from dtrain.common.progress import hang_error, hang_report, silent_line
 
 RESULT_PREFIX = "\x02dtrain-step "  # a node's result line, read by the batch step
 HEARTBEAT_PREFIX = "\x02dtrain-alive "  # a node's task is alive: every HEARTBEAT_S
@@ -459,7 +460,7 @@ class Hangs:
             if node not in ended and timeout > 0 and now - at > limit:
                 _signal_steps("TERM")
                 self.kill_at = now + HANG_KILL_S
-                line = f"dtrain: hang on {node}: its agent has printed nothing for {limit:.0f} s; stopping the job"
+                line = silent_line(node, limit)
                 self.hang = {"node": node, "silent_s": round(now - at, 1), "message": line}
                 note(line)
                 row = {"time": round(time.time(), 3), "step": None, "event": HANG_EVENT, "message": line, "node": node,
@@ -527,20 +528,6 @@ class Hangs:
         _set_field(STRAGGLERS_COMMENT, stragglers_field(now))
 
 
-def hang_report(run_url: str, node: str, ev: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, str]]:
-    """An agent's hang event (dtrain.common.nodeagent.HangWatch.report) as the run records it: the line, the
-    event's facts, and the stack files (relative path in the run -> text)."""
-    files = {f"hangs/{node}-rank{r}.txt": str(text) for r, text in (ev.get("stacks") or {}).items()}
-    rel = f"hangs/{node}-rank{ev.get('rank')}.txt"
-    where = f"{run_url.rstrip('/')}/{rel}" if rel in files else f"the agent's hangs/ on {node}"
-    since = "before its first step" if ev.get("step") is None else f"since step {ev['step']}"
-    line = (f"dtrain: hang on {node} rank {ev.get('rank')}: no progress for {float(ev.get('age_s') or 0):.0f} s "
-            f"{since}; stacks in {where}")  # fmt: skip
-    facts = {"node": node, "rank": ev.get("rank"), "step": ev.get("step"), "age_s": ev.get("age_s"),
-             "timeout_s": ev.get("timeout_s"), "state": ev.get("state"), "stacks": where}  # fmt: skip
-    return line, facts, files
-
-
 def hang_end(job: dict[str, Any], hang: dict[str, Any], *, signalled: bool) -> int:
     """The job hung (its nodes' steps have ended): requeue it to resume its run from the last complete checkpoint
     while its allowance lasts (job.json's max_restarts, the `--max-restarts` of the request; the hang requeues so
@@ -551,7 +538,6 @@ def hang_end(job: dict[str, Any], hang: dict[str, Any], *, signalled: bool) -> i
         started = run_exists(job)
     except Exception:  # noqa: BLE001 - the run cannot be read: nothing to resume from
         started = False
-    what = str(hang["message"]).removeprefix("dtrain: ")
     if should_requeue_hang(signalled=signalled, done=done, allowance=allowance, run_started=started):
         n = done + 1
         _set_field(HANGS_COMMENT, str(n))
@@ -567,7 +553,7 @@ def hang_end(job: dict[str, Any], hang: dict[str, Any], *, signalled: bool) -> i
         why = "its run had not started"
     else:
         why = f"it has had its {allowance} restart(s) (--max-restarts)" if allowance else "--max-restarts is 0"
-    record_run(job, status={"state": "failed", "exit_code": EXIT_HUNG, "error": f"hung: {what}"})
+    record_run(job, status={"state": "failed", "exit_code": EXIT_HUNG, "error": hang_error(hang)})
     note(f"dtrain: the job hung and ends (exit {EXIT_HUNG}), not requeued: {why}")
     return EXIT_HUNG
 

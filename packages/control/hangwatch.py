@@ -78,16 +78,14 @@ class LocalHangWatch:
     def _act(self, hang: Any) -> Action:
         from dtrain.common.metrics import record_event
         from dtrain.common.nodeagent import signal_tree
-        from dtrain.common.progress import env_value
+        from dtrain.common.progress import env_value, hang_error, hang_line
 
         rk = hang.rank
         where = self._save_stacks(hang)
-        since = "before its first step" if rk.step is None else f"since step {rk.step}"
-        age = f"{hang.age_s:.0f} s"
-        self.error = f"hung: no progress for {age} on {self.host} rank {rk.rank} {since}; stacks in {where}"
-        line = f"dtrain: hang on {self.host} rank {rk.rank}: no progress for {age} {since}; stacks in {where}"
+        line = hang_line(self.host, rk.rank, hang.age_s, rk.step, where)
         facts = {"node": self.host, "rank": rk.rank, "age_s": round(hang.age_s, 1),
                  "timeout_s": round(hang.timeout_s, 1), "state": rk.state, "stacks": where}  # fmt: skip
+        self.error = hang_error({**facts, "step": rk.step})
         self.events.emit("hang", line, step=rk.step, **facts)
         record_event(self.run, rk.step, "hang", line, **facts)
         used = env_value(rk.pid, "TORCHELASTIC_RESTART_COUNT")

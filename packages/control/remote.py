@@ -669,37 +669,27 @@ class Job:
         names them, a "hang" event, and the job stopped everywhere."""
         if self.hang is not None:
             return
-        self.hang = {"node": name, **{k: v for k, v in ev.items() if k != "stacks"}}  # "line": the agent's own
+        from dtrain.common.progress import hang_report
+
         run = self.logs.run if self.logs is not None else None
-        where = f"the agent's hangs/ on {name}"
-        for rank, text in (ev.get("stacks") or {}).items():
-            if run is not None:
-                with contextlib.suppress(Exception):  # the line must come out, whatever the store says
-                    run.write_bytes(f"hangs/{name}-rank{rank}.txt", str(text).encode())
-                    if str(rank) == str(ev.get("rank")):
-                        where = run.join(f"hangs/{name}-rank{rank}.txt")
-        since = "before its first step" if ev.get("step") is None else f"since step {ev['step']}"
-        line = (
-            f"dtrain: hang on {name} rank {ev.get('rank')}: no progress for {float(ev.get('age_s', 0)):.0f} s "
-            f"{since}; stacks in {where}"
-        )
-        facts = {"node": name, "rank": ev.get("rank"), "step": ev.get("step"), "age_s": ev.get("age_s"),
-                 "timeout_s": ev.get("timeout_s"), "state": ev.get("state"), "stacks": where}  # fmt: skip
-        self.hang["where"] = where
+        line, facts, files = hang_report(run.url if run is not None else "", name, ev)
+        self.hang = {**facts, "line": ev.get("line")}  # "line": the agent's own, which _show drops
+        for rel, text in files.items() if run is not None else ():
+            try:
+                run.write_bytes(rel, text.encode())
+            except Exception:  # noqa: BLE001 - the line must come out, whatever the store says
+                if rel.endswith(f"-rank{ev.get('rank')}.txt"):
+                    facts["stacks"] = self.hang["stacks"] = f"the agent's hangs/ on {name}"
+                    line = line.rsplit("; stacks in ", 1)[0] + f"; stacks in {facts['stacks']}"
         self.events.emit("hang", line, **facts)
         self._record("hang", line, **facts)
         self._stop_for_hang(name)
 
     def hang_error(self) -> str:
         """What the run's status.json says of a job stopped for a hang ("" if none was found)."""
-        h = self.hang
-        if h is None:
-            return ""
-        if "silent_s" in h:
-            return f"hung: the agent on {h['node']} printed nothing for {float(h['silent_s']):.0f} s"
-        since = "before its first step" if h.get("step") is None else f"since step {h['step']}"
-        return (f"hung: no progress for {float(h.get('age_s') or 0):.0f} s on {h['node']} rank {h.get('rank')} "
-                f"{since}; stacks in {h.get('where', 'hangs/')}")  # fmt: skip
+        from dtrain.common.progress import hang_error
+
+        return hang_error(self.hang) if self.hang is not None else ""
 
     def _on_alive(self, name: str, ev: dict[str, Any]) -> None:
         from dtrain.common.progress import straggler_note, stragglers
@@ -727,7 +717,9 @@ class Job:
         for name, after in self._silent_after.items():
             limit = max(SILENT_FLOOR_S, after)
             if name in open_streams and after > 0 and now - self._heard.get(name, now) > limit:
-                line = f"dtrain: hang on {name}: its agent has printed nothing for {limit:.0f} s; stopping the job"
+                from dtrain.common.progress import silent_line
+
+                line = silent_line(name, limit)
                 self.hang = {"node": name, "silent_s": round(now - self._heard[name], 1)}
                 self.events.emit("hang", line, node=name, silent_s=self.hang["silent_s"])
                 self._record("hang", line, node=name, silent_s=self.hang["silent_s"])
