@@ -212,8 +212,8 @@ def outcome(run: Store, code: int, forwarded: Sequence[int], *, hung: str = "") 
         return int(ExitCode.HUNG)
     if state == "preempted":
         return int(ExitCode.PREEMPTED)
-    if state == "completed" and code == 0:
-        return 0
+    if state == "completed" and (code == 0 or signal.SIGTERM in forwarded):
+        return 0  # a stop that came after the run had finished (its teardown) does not undo it
     if code < 0:  # torchrun itself was killed by a signal
         code = int(ExitCode.INTERRUPTED) if -code == signal.SIGINT else int(ExitCode.FAILURE)
     if signal.SIGINT in forwarded and code not in (0, int(ExitCode.USAGE)):

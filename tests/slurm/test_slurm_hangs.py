@@ -76,7 +76,8 @@ def thaw(pid: int) -> None:
 
 @pytest.mark.timeout(900)
 def test_a_frozen_worker_is_found_named_stopped_and_the_job_requeued_resumes(bed: Env) -> None:
-    job = bed.submit("--checkpoint-every", "20", "--max-restarts", "1", "--epochs", "3")
+    # Two nodes: the package's bed may have grown to three (test_slurm_bed), and 256 is not divisible by 3.
+    job = bed.submit("--checkpoint-every", "20", "--max-restarts", "1", "--epochs", "3", "--nodes", "2")
     total = TOTAL_STEPS // 2 * 3  # 62 steps an epoch
     run = bed.run_dir(job)
     pid = 0
@@ -126,7 +127,7 @@ def test_a_frozen_worker_is_found_named_stopped_and_the_job_requeued_resumes(bed
 def test_a_hang_past_the_restarts_ends_the_job_and_the_run_says_it_hung(bed: Env) -> None:
     """--max-restarts 0 (the default) and --hang-timeout 20: found after 20 s, the job ends with exit 4 and is not
     requeued; the run's status.json says it hung."""
-    job = bed.submit("--checkpoint-every", "20", "--hang-timeout", "20", "--epochs", "3")
+    job = bed.submit("--checkpoint-every", "20", "--hang-timeout", "20", "--epochs", "3", "--nodes", "2")
     run = bed.run_dir(job)
     pid = 0
     try:
