@@ -2,8 +2,10 @@
 the CPU's bitsandbytes kernels (DTRAIN_INTERNAL_QLORA_ON_CPU=1, the test switch of dtrain.lora.quant),
 with a Llama 64 wide (bitsandbytes' CPU kernels need rows of whole 64-value blocks) and a BPE tokenizer
 made here: the sharded run writes the DDP QLoRA run's adapter and stock peft loads it. (A sharded QLoRA run
-stopped by SIGTERM is not tested here: in 2 of 5 tries on this CPU the stop never reached the ranks and the
-run completed; the cause is not found, and the sharded bf16 stop and resume is tests/lora/test_fsdp.py's.)
+stopped by SIGTERM is not tested here: the ranks agree on a stop every k steps, k sized to about a second of
+the steps measured so far (dtrain.common.preempt), and this model's steps are so short that k can reach past
+the end of a 24-step run: in 2 of 5 tries the run completed before the stop; the sharded bf16 stop and resume is
+tests/lora/test_fsdp.py's.)
 And the plan: a 70B base that does not fit one
 L4 even in 4-bit runs as QLoRA sharded over eight, with the 4-bit weights sharded in its figures.
 The runs take 10-20 s each on 2 shared cores, so they are slow."""
