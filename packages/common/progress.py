@@ -121,6 +121,25 @@ def straggler_note(found: Mapping[str, float]) -> str:
     )
 
 
+class StragglerSet:
+    """A job's stragglers across its nodes, from each node's per-rank median step intervals (an agent's "alive"
+    line, or this machine's watcher): `update` gives the line to print and record (straggler_note) when the set of
+    stragglers changed, else None. The SSH launcher, Slurm's batch step and the local watch each keep one."""
+
+    def __init__(self) -> None:
+        self.medians: dict[str, dict[str, float]] = {}  # node -> rank -> median step interval (s)
+        self.now: dict[str, float] = {}  # "<node> rank <r>" -> times slower, as last reported
+
+    def update(self, node: str, medians: Mapping[Any, Any]) -> str | None:
+        with contextlib.suppress(TypeError, ValueError):
+            self.medians[node] = {str(r): float(m) for r, m in medians.items()}
+        now = stragglers({f"{n} rank {r}": m for n, ms in self.medians.items() for r, m in ms.items()})
+        if set(now) == set(self.now):
+            return None
+        self.now = now
+        return straggler_note(now)
+
+
 # --- what a hang is called -------------------------------------------------------------------------------
 # One wording on every backend: the line a launcher prints (and the run's events.jsonl keeps), and the error
 # a hung run's status.json ends with. `facts` are a hang event's: node, rank, step, age_s, stacks (where the

@@ -63,7 +63,7 @@ from typing import Any
 
 from dtrain.common.errors import UserError, stopped_as_asked
 from dtrain.common.jobenv import STOP_GRACE_S
-from dtrain.common.progress import hang_error, hang_report, silent_line
+from dtrain.common.progress import StragglerSet, hang_error, hang_report, silent_line
 
 RESULT_PREFIX = "\x02dtrain-step "  # a node's result line, read by the batch step
 HEARTBEAT_PREFIX = "\x02dtrain-alive "  # a node's task is alive: every HEARTBEAT_S
@@ -445,8 +445,7 @@ class Hangs:
         self.job = job
         self.hang: dict[str, Any] | None = None  # the first hang reported
         self.kill_at = float("inf")
-        self.medians: dict[str, dict[str, float]] = {}  # node -> rank -> median step interval (s)
-        self.stragglers: dict[str, float] = {}  # "<node> rank <r>" -> times slower, as last reported
+        self.stragglers = StragglerSet()  # from the agents' "alive" lines
         self.alive: dict[str, tuple[float, float]] = {}  # node -> (its agent's last "alive", its hang timeout)
 
     def check_silent(self, ended: set[str]) -> None:
@@ -505,22 +504,13 @@ class Hangs:
         record_run(self.job, events=[row])
 
     def on_alive(self, node: str, ev: dict[str, Any]) -> None:
-        from dtrain.common.progress import stragglers
-
         medians = ev.get("medians")
         if not isinstance(medians, dict):
             return
-        with contextlib.suppress(TypeError, ValueError):
-            self.medians[node] = {str(r): float(m) for r, m in medians.items()}
-        now = stragglers({f"{n} rank {r}": m for n, ms in self.medians.items() for r, m in ms.items()})
-        if set(now) == set(self.stragglers):
+        message = self.stragglers.update(node, medians)
+        if message is None:
             return
-        self.stragglers = now
-        if now:
-            text = ", ".join(f"{k} ({x:.1f}x the others' median step)" for k, x in sorted(now.items()))
-            message = f"dtrain: straggler: {text}"
-        else:
-            message = "dtrain: no straggler any more"
+        now = self.stragglers.now
         note(message)
         row = {"time": round(time.time(), 3), "step": None, "event": STRAGGLER_EVENT, "message": message,
                "stragglers": now}  # fmt: skip

@@ -24,6 +24,7 @@ import signal
 import time
 from typing import Any
 
+from dtrain.common.progress import StragglerSet
 from dtrain.common.storage import Store
 from dtrain.control.events import Events
 
@@ -46,7 +47,7 @@ class LocalHangWatch:
         self.error = ""  # set when the job ends because of a hang (status.json's "error")
         self._restarted: set[int] = set()  # pids of the ranks killed for torchrun to restart
         self._polled_at = -float("inf")
-        self._stragglers: dict[str, float] = {}
+        self._stragglers = StragglerSet()
         self.pids: list[int] = []  # the job's processes at the last poll: what to sweep at the end
 
     @classmethod
@@ -118,12 +119,10 @@ class LocalHangWatch:
 
     def _note_stragglers(self) -> None:
         from dtrain.common.metrics import record_event
-        from dtrain.common.progress import straggler_note, stragglers
 
-        found = stragglers({f"{self.host} rank {r}": m for r, m in self.agent.watcher.medians().items()})
-        if set(found) != set(self._stragglers):
-            self._stragglers = found
-            message = straggler_note(found)
+        message = self._stragglers.update(self.host, self.agent.watcher.medians())
+        if message is not None:
+            found = self._stragglers.now
             self.events.emit("straggler", message, stragglers=found)
             record_event(self.run, None, "straggler", message, stragglers=found)
 

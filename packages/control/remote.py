@@ -52,6 +52,7 @@ from dtrain.common import jobenv
 from dtrain.common.errors import ExitCode, UserError
 from dtrain.common.metrics import PROGRESS_PREFIX
 from dtrain.common.nodeagent import CONTAINER_MOUNTS, CONTROL_PREFIX, INNER_SPEC_ENV, job_container_name
+from dtrain.common.progress import StragglerSet
 from dtrain.common.storage import Store, is_remote
 from dtrain.control.cluster import Cluster, Node
 from dtrain.control.events import Events, Handle, Stop
@@ -544,8 +545,7 @@ class Job:
         self.hang: dict[str, Any] | None = None  # the first hang reported (an agent's event), or a silent agent's
         self._heard: dict[str, float] = {}  # node -> when its agent last printed a line
         self._silent_after: dict[str, float] = {}  # node -> its agent's hang timeout, from its "alive" lines
-        self._medians: dict[str, dict[str, float]] = {}  # node -> rank -> median step interval (s)
-        self._stragglers: dict[str, float] = {}  # "<node> rank <r>" -> times slower, as last reported
+        self._stragglers = StragglerSet()  # from the agents' "alive" lines
 
     def run(self) -> int:
         try:
@@ -692,19 +692,14 @@ class Job:
         return hang_error(self.hang) if self.hang is not None else ""
 
     def _on_alive(self, name: str, ev: dict[str, Any]) -> None:
-        from dtrain.common.progress import straggler_note, stragglers
-
         with contextlib.suppress(TypeError, ValueError):
             self._silent_after[name] = float(ev.get("timeout_s") or 0)
         medians = ev.get("medians")
         if not isinstance(medians, dict):
             return
-        self._medians[name] = {str(r): float(m) for r, m in medians.items()}
-        every = {f"{n} rank {r}": m for n, ms in self._medians.items() for r, m in ms.items()}
-        now = stragglers(every)
-        if set(now) != set(self._stragglers):
-            self._stragglers = now
-            message = straggler_note(now)
+        message = self._stragglers.update(name, medians)
+        if message is not None:
+            now = self._stragglers.now
             self.events.emit("straggler", message, stragglers=now)
             self._record("straggler", message, stragglers=now)
 

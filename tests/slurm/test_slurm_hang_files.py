@@ -119,7 +119,7 @@ def test_the_batch_step_finds_stragglers_and_a_silent_agent(tmp_path: Path, monk
 
     watch.on_control(alive("h0", {"0": 0.1}), judge=True)
     watch.on_control(alive("h1", {"1": 0.25}), judge=True)
-    assert watch.stragglers == {"h1 rank 1": 2.5}
+    assert watch.stragglers.now == {"h1 rank 1": 2.5}
     watch.on_control(alive("h1", {"1": 0.25}), judge=True)  # the same set: said once
     watch.on_control(alive("h1", {"1": 0.11}), judge=True)
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
