@@ -85,7 +85,18 @@ def run_dir_of(cwd: Path, proc: subprocess.Popen) -> Path:
 
 
 # What every run directory holds, whatever the workload.
-RUN_FILES = ("config.json", "status.json", "metrics.jsonl", "checkpoints/LATEST")
+RUN_FILES = ("config.json", "status.json", "metrics.jsonl")
+
+
+def bucket_checkpoints(out: str, run_id: str) -> list[str]:
+    """The files of a gs:// run's checkpoint directory, as the run holds them: written on this machine's local
+    checkpoint directory ($DTRAIN_CHECKPOINT_DIR) and copied to the run's ckpt/ (dtrain.common.mirror), read in
+    place (dtrain.common.rundir.checkpoints)."""
+    from dtrain.common.rundir import checkpoints
+
+    run = open_store(out).child(run_id)
+    assert any(n.startswith("ckpt/node-00000/") for n in run.list("ckpt")), run.list("")
+    return checkpoints(run).list("")
 
 
 def only_run_in_bucket(out: str, cwd: Path, expected: tuple[str, ...]) -> str:

@@ -350,41 +350,18 @@ def restore(store: Store, local_dir: Path, *, log: Log = print) -> RestoreResult
     """Puts the union of every node's newest complete manifest into `local_dir`; None (and nothing
     written) when the store has no complete manifest. See the module docstring."""
     local_dir = Path(local_dir)
-    names = store.list()
-    blobs = {n[len(BLOBS) + 1 :] for n in names if n.startswith(f"{BLOBS}/")}
-    by_node: dict[int, list[int]] = {}
-    for name in names:
-        if m := _MANIFEST_RE.fullmatch(name):
-            by_node.setdefault(int(m.group(1)), []).append(int(m.group(2)))
-    manifests: dict[tuple[int, int], dict[str, Any] | None] = {}
-    sizes: dict[str, int | None] = {}  # blob sizes in the store, asked once each
-    bad: set[str] = set()  # blobs whose bytes do not match their name
-    skipped: set[tuple[int, int]] = set()
+    chooser = _Chooser(store, log)
     while True:
-        chosen: dict[int, dict[str, Any]] = {}
-        for node, seqs in sorted(by_node.items()):
-            for seq in sorted(seqs, reverse=True):
-                if (node, seq) not in manifests:
-                    manifests[node, seq] = _read_manifest(store, manifest_name(node, seq), log)
-                manifest = manifests[node, seq]
-                if manifest is None:
-                    continue
-                problem = _incomplete(store, manifest["files"], blobs, sizes, bad)
-                if problem is None:
-                    chosen[node] = manifest
-                    break
-                if (node, seq) not in skipped:
-                    skipped.add((node, seq))
-                    log(f"checkpoint restore: node {node} manifest {seq} is incomplete ({problem}); trying older ones")
+        chosen = chooser.choose()
         if not chosen:
-            if by_node:
+            if chooser.by_node:
                 log(f"checkpoint restore: no complete checkpoint in {store.url}; starting without one")
             return None
         wanted = _union(chosen, log)
         try:
             downloaded, nbytes, present = _fetch(store, local_dir, wanted)
         except _BadBlob as e:
-            bad.add(e.sha)
+            chooser.bad.add(e.sha)
             continue
         left_alone = tuple(sorted(set(_scan(local_dir)) - set(wanted)))
         result = RestoreResult({n: m["seq"] for n, m in chosen.items()}, downloaded, nbytes, present, left_alone)
@@ -394,6 +371,88 @@ def restore(store: Store, local_dir: Path, *, log: Log = print) -> RestoreResult
             + f" ({downloaded} downloaded, {nbytes:,} bytes; {present} already here)"
         )
         return result
+
+
+class _Chooser:
+    """Each node's newest manifest whose blobs are all in the store (asked once per manifest and blob)."""
+
+    def __init__(self, store: Store, log: Log) -> None:
+        self.store, self.log = store, log
+        names = store.list()
+        self.blobs = {n[len(BLOBS) + 1 :] for n in names if n.startswith(f"{BLOBS}/")}
+        self.by_node: dict[int, list[int]] = {}
+        for name in names:
+            if m := _MANIFEST_RE.fullmatch(name):
+                self.by_node.setdefault(int(m.group(1)), []).append(int(m.group(2)))
+        self.manifests: dict[tuple[int, int], dict[str, Any] | None] = {}
+        self.sizes: dict[str, int | None] = {}  # blob sizes in the store, asked once each
+        self.bad: set[str] = set()  # blobs whose bytes do not match their name
+        self.skipped: set[tuple[int, int]] = set()
+
+    def choose(self) -> dict[int, dict[str, Any]]:
+        chosen: dict[int, dict[str, Any]] = {}
+        for node, seqs in sorted(self.by_node.items()):
+            for seq in sorted(seqs, reverse=True):
+                if (node, seq) not in self.manifests:
+                    self.manifests[node, seq] = _read_manifest(self.store, manifest_name(node, seq), self.log)
+                manifest = self.manifests[node, seq]
+                if manifest is None:
+                    continue
+                problem = _incomplete(self.store, manifest["files"], self.blobs, self.sizes, self.bad)
+                if problem is None:
+                    chosen[node] = manifest
+                    break
+                if (node, seq) not in self.skipped:
+                    self.skipped.add((node, seq))
+                    self.log(f"checkpoint restore: node {node} manifest {seq} is incomplete ({problem}); "
+                             "trying older ones")  # fmt: skip
+        return chosen
+
+
+class MirrorView:
+    """The checkpoint directory as `restore` would put it back, read in place from the blobs: a read-only
+    Store (list, read_bytes, exists, size) over the union of every node's newest complete manifest. What
+    `dtrain runs`, the dashboard and `dtrain eval` read of a run whose checkpoint directory was copied (a
+    cluster's run), without downloading it first. A blob that does not hold its bytes raises ValueError."""
+
+    def __init__(self, store: Store, files: dict[str, dict[str, Any]] | None = None, prefix: str = "") -> None:
+        self.store = store
+        self.files = files if files is not None else _union(_Chooser(store, _quiet).choose(), _quiet)
+        self.prefix = prefix
+        self.url = store.url.rstrip("/") + (f" (copies of {prefix.rstrip('/')})" if prefix else "")
+
+    def __repr__(self) -> str:
+        return f"MirrorView({self.store.url!r}, {self.prefix!r})"
+
+    def child(self, rel: str) -> MirrorView:
+        return MirrorView(self.store, self.files, f"{self.prefix}{rel.strip('/')}/")
+
+    def _entry(self, rel: str) -> dict[str, Any]:
+        e = self.files.get(self.prefix + rel)
+        if e is None:
+            raise FileNotFoundError(f"{self.url}: {rel}")
+        return e
+
+    def read_bytes(self, rel: str, start: int = 0) -> bytes:
+        e = self._entry(rel)
+        data = self.store.read_bytes(blob_name(e["sha256"]))
+        if hashlib.sha256(data).hexdigest() != e["sha256"]:
+            raise ValueError(f"{self.store.url}: blob {e['sha256'][:12]} ({rel}) does not hold the bytes its name says")
+        return data[start:]
+
+    def exists(self, rel: str) -> bool:
+        return self.prefix + rel in self.files
+
+    def size(self, rel: str) -> int:
+        return int(self._entry(rel)["size"])
+
+    def list(self, rel_prefix: str = "") -> list[str]:
+        full = self.prefix + rel_prefix
+        return sorted(p[len(self.prefix) :] for p in self.files if p.startswith(full))
+
+
+def _quiet(_message: str) -> None:
+    pass
 
 
 class _BadBlob(Exception):

@@ -5,6 +5,9 @@
                   metrics.jsonl   one line per log step
                   checkpoints/    step-XXXXXXXX/{state.pt,meta.json} and LATEST (dtrain.common.checkpoint
                                   writes them; finding the newest complete one needs no torch: here)
+                  ckpt/           instead of checkpoints/ when the job's checkpoint directory was a local
+                                  folder on each node: its copies (dtrain.common.mirror); `checkpoints`
+                                  reads either
                   final/          the exported model
 """
 
@@ -25,6 +28,8 @@ from dtrain.common.storage import Store, is_remote, open_store
 STEP_RE = re.compile(r"^step-(\d{8})$")
 META_FILE = "meta.json"
 LATEST = "LATEST"
+CHECKPOINTS = "checkpoints"  # a built-in's checkpoints, written in place (a run on this machine, a shared folder)
+CKPT_PREFIX = "ckpt"  # the copies of a job's node-local checkpoint directory (dtrain.common.mirror's layout)
 RUN_ID_RE = re.compile(r"^(?P<workload>[a-z0-9]+)-(?P<stamp>\d{8}-\d{6})-(?P<hex>[0-9a-f]{4})$")
 
 
@@ -46,7 +51,7 @@ def locate(output: str, ref: str) -> Store:
     candidates = [ref] if is_remote(ref) or "/" in ref else [f"{output.rstrip('/')}/{ref}", ref]
     for c in candidates:
         store = open_store(c)
-        if store.exists("config.json") or store.list("checkpoints"):
+        if store.exists("config.json") or store.list(CHECKPOINTS):
             return store
     raise UserError(
         f"no run {ref!r} found (looked in {', '.join(candidates)}): "
@@ -75,6 +80,21 @@ def write_json(store: Store, name: str, obj: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # checkpoints/: which checkpoint is the newest complete one
+
+
+def checkpoints(run: Store) -> Store:
+    """The run's checkpoint directory, to read: `checkpoints/` where the job wrote it in place, else the
+    newest complete copies of the nodes' local directories under `ckpt/` (a mirror.MirrorView), else the
+    (empty) `checkpoints/`."""
+    here = run.child(CHECKPOINTS)
+    if here.list(""):
+        return here
+    copies = run.child(CKPT_PREFIX)
+    if any(n.startswith("node-") for n in copies.list("")):
+        from dtrain.common.mirror import MirrorView
+
+        return MirrorView(copies)
+    return here
 
 
 def step_dir(step: int) -> str:

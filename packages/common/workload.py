@@ -21,6 +21,7 @@ from typing import Any, NoReturn, TypeVar
 
 from dtrain.common import config as cfgmod
 from dtrain.common import env as envmod
+from dtrain.common import jobenv
 from dtrain.common.checkpoint import Checkpointer
 from dtrain.common.dist import Dist, PeerFailure, distributed, is_comm_failure
 from dtrain.common.errors import ExitCode, Preempted, UserError
@@ -28,7 +29,16 @@ from dtrain.common.metrics import Reporter, print_error, record_event
 from dtrain.common.precision import PrecisionPolicy, device_name, resolve_precision, restore_scaler
 from dtrain.common.preempt import PreemptionPoll, PreemptionWatch
 from dtrain.common.progress import beat
-from dtrain.common.rundir import RUN_ID_RE, config_diff, locate, new_run_id, read_json, run_location, write_json
+from dtrain.common.rundir import (
+    CHECKPOINTS,
+    RUN_ID_RE,
+    config_diff,
+    locate,
+    new_run_id,
+    read_json,
+    run_location,
+    write_json,
+)
 from dtrain.common.storage import DiskFull, Store, is_remote, open_store
 
 C = TypeVar("C")
@@ -241,7 +251,7 @@ def _context(workload: str, cfg: Any, d: Dist, run: Store, run_id: str, *, resum
         f"device {device_name(d.device)}, precision {precision.describe()}{ifnames}"
     )
     ckpt = Checkpointer(
-        run.child("checkpoints"),
+        checkpoint_store(run),
         d,
         every=cfg.run.checkpoint_every,
         keep=cfg.run.keep_checkpoints,
@@ -258,6 +268,17 @@ def _context(workload: str, cfg: Any, d: Dist, run: Store, run_id: str, *, resum
     return Context(workload, cfg, d, run, run_id, resuming, report, precision, ckpt, watch, PreemptionPoll(d, watch))
 
 
+def checkpoint_store(run: Store) -> Store:
+    """Where this run's checkpoints go: the checkpoint directory dtrain's launcher gave the job
+    (DTRAIN_CHECKPOINT_DIR, a local folder on each node that the launcher copies to the run and puts back
+    before a restart or resume: dtrain.common.mirror), as for any user's program; under a plain torchrun (or
+    in a job launched for another run) the run's own checkpoints/."""
+    given = os.environ.get(jobenv.CHECKPOINT_DIR)
+    if given and os.environ.get(jobenv.RUN_URL, "").rstrip("/") == run.url.rstrip("/"):
+        return open_store(given)
+    return run.child(CHECKPOINTS)
+
+
 def _curves(run: Store, report: Reporter) -> None:
     """final/curves.png, best effort: a run that trained is not failed by its picture."""
     try:
@@ -272,7 +293,7 @@ def _nothing_to_keep(d: Dist | None, run: Store | None) -> bool:
     if run is None or d is None or not d.is_main:
         return False
     try:
-        return not run.list("checkpoints") and not run.exists("final/model.json")
+        return not checkpoint_store(run).list("") and not run.exists("final/model.json")
     except Exception:  # noqa: BLE001 - if we cannot even list it, leave it alone
         return False
 

@@ -89,6 +89,7 @@ def resolve(req: LaunchRequest) -> Resolved:
 def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResult:
     """Resolve the settings and run the built-in to its end, through its cluster's launcher like any program
     (its module under torchrun, with its flags); returns the job's exit code."""
+    from dtrain.common.config import to_argv
     from dtrain.control import launchers
     from dtrain.control.program import MODULE, Job, Program
     from dtrain.control.settings import builtin
@@ -99,12 +100,15 @@ def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResul
 
         where = f"cluster {r.cluster.name}" if launchers.over_ssh(r.cluster) else "this machine"
         raise UserError(f"--time is a Slurm job's time limit: {where} has no Slurm")
+    target, args = builtin_target(req.workload, r)
     job = Job(
-        name=req.workload, program=Program(kind=MODULE, target=builtin(req.workload).module), builtin=req.workload
+        name=req.workload,
+        program=Program(kind=MODULE, target=builtin(req.workload).module, args=tuple(to_argv(args))),
+        builtin=req.workload,
     )
     plan = launchers.Plan(
         job=job,
-        target=None,  # a built-in's run is placed by its own flags (--run-dir): control.local.run_target
+        target=target,
         cluster=r.cluster,
         nproc=r.settings.launch.nproc,
         max_restarts=r.settings.launch.max_restarts,
@@ -121,6 +125,22 @@ def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResul
         # --show-example prints an example and exits before a run directory is made: no run to point at
         return dataclasses.replace(result, run_id="", url="")
     return result
+
+
+def builtin_target(workload: str, r: Resolved) -> tuple[Any, dict[str, Any]]:
+    """A built-in's run, placed as a program's is (dtrain.control.userjob.Target), and its module's flags: the
+    settings given, and where the run lives (`--run-dir`; `--resume` when it continues one)."""
+    from dtrain.common.rundir import read_json, run_location
+    from dtrain.control.userjob import Target
+
+    explicit = dict(r.settings.explicit(workload))
+    if r.resumed is not None:
+        run = r.resumed
+        status = read_json(run, "status.json") or {}
+        target = Target(run.url.rstrip("/").rsplit("/", 1)[-1], run, int(status.get("starts", 1)), True)
+        return target, {**explicit, "output": r.output, "resume": run.url, "run_dir": run.url}
+    run_id, run = run_location(workload, r.output, explicit.get("run_id") or "")
+    return Target(run_id, run, 0, False), {**explicit, "output": r.output, "run_id": run_id, "run_dir": run.url}
 
 
 def next_step(result: LaunchResult, resume_hint: str = "") -> str:

@@ -1,28 +1,20 @@
-"""Launch a workload on this machine: torchrun on localhost, one process per GPU (or a couple of CPU
-processes), the run directory under --output, and the job's exit code as ours.
+"""What starting a job on this machine needs, and the SSH launcher's built-in path shares: the GPUs here
+(nvidia-smi, no torch), a built-in's run placed under --output (`run_target`), and the job's exit code
+reconciled with the run's status.json (`outcome`).
 
-Stopping: the caller's Handle (dtrain.control.events) is polled; INTERRUPT and TERMINATE are sent
-to torchrun as SIGINT and SIGTERM, which forwards them to the workers (SIGTERM: they checkpoint and
-exit PREEMPTED). If the job has not ended SHUTDOWN_GRACE_S later, or on KILL, its process group is
-killed. torchrun runs in a session of its own and gets SIGTERM from the kernel if this process dies
-(PR_SET_PDEATHSIG), and its workers get SIGKILL if it dies (dtrain.common.launch): no process of the
-job outlives the launcher, however the launcher ends.
-
-Hangs (docs/hangs.md): the launcher watches the ranks' progress itself (dtrain.control.hangwatch). A hung job
-is stopped (SIGTERM, SIGKILL HANG_GRACE_S later) and ends ExitCode.HUNG, or, while torchrun has restarts
-left (--max-restarts), its ranks are killed and torchrun starts them again from the last complete checkpoint.
+A job on this machine (a user's program or a built-in, the same way) is started by
+dtrain.control.userjob.run_program_here (dtrain.control.launchers.here): torchrun on localhost in a session of
+its own, stopped through the caller's Handle (SIGTERM and the stop file, SIGKILL after the grace period),
+watched for hangs (dtrain.control.hangwatch), and given dtrain's variables (dtrain.common.jobenv).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import importlib.util
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -30,10 +22,8 @@ from typing import Any
 from dtrain.common import jobenv
 from dtrain.common.errors import ExitCode, UserError
 from dtrain.common.nproc import MAX_PROCS_PER_CORE, auto_nproc, processes  # noqa: F401  # their home: common
-from dtrain.common.procs import dies_with_parent
 from dtrain.common.rundir import read_json, run_location, write_json
 from dtrain.common.storage import Store
-from dtrain.control.events import Events, Handle, Stop
 
 # torchrun's restarts (--max-restarts) with a fresh rendezvous store each time. By default (torch >= 2.4) the
 # workers of every restart share the agent's one TCPStore, unprefixed: a restarted rank can read its peer's
@@ -43,19 +33,6 @@ from dtrain.control.events import Events, Handle, Stop
 RESTARTABLE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 SHUTDOWN_GRACE_S = jobenv.STOP_GRACE_S  # SIGTERM, then this long before SIGKILL
 POLL_S = 0.2
-
-
-@dataclasses.dataclass(frozen=True)
-class LocalPlan:
-    run_id: str
-    run: Store
-    nproc: int
-    threads: int
-    command: list[str]
-    env: dict[str, str]
-    resuming: bool
-    max_restarts: int = 0  # torchrun's restarts (after a crash or a hang)
-    hang_timeout: float | None = None  # None: from the step time; 0: no hang detection (docs/hangs.md)
 
 
 def count_gpus() -> int:
@@ -84,119 +61,6 @@ def run_target(
         return run_id, resumed, {**workload_args, "output": output, "resume": resumed.url, "run_dir": resumed.url}
     run_id, run = run_location(workload, output, workload_args.get("run_id") or "")
     return run_id, run, {**workload_args, "output": output, "run_id": run_id, "run_dir": run.url}
-
-
-def plan_local(
-    workload: str,
-    workload_args: Mapping[str, Any],
-    *,
-    module: str,
-    nproc: int,
-    max_restarts: int,
-    output: str,
-    resumed: Store | None,
-    oversubscribe: bool = False,
-    tty: bool = False,
-    debug: bool = False,
-    hang_timeout: float | None = None,
-) -> LocalPlan:
-    """`resumed`: the run directory being continued (already located), or None for a new run.
-    `tty`: the caller's output is a terminal (rank 0 then draws a live progress bar)."""
-    from dtrain.common.config import to_argv
-
-    if importlib.util.find_spec("torch") is None:
-        raise UserError(
-            f"training on this machine needs torch, which this Python ({sys.executable}) lacks: "
-            "pip install 'dtrain[train]' (scripts/setup.sh does it), or train on a cluster with --cluster NAME"
-        )
-    gpus = count_gpus()
-    cpus = os.cpu_count() or 1
-    n = processes(nproc, gpus=gpus, cpus=cpus, oversubscribe=oversubscribe)
-    run_id, run, args = run_target(workload, workload_args, output, resumed)
-    threads = max(1, cpus // n)  # OMP threads per process: the cores shared out, never oversubscribed
-    command = [
-        sys.executable,
-        "-m",
-        "dtrain.common.launch",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(n),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "localhost:0",
-        "--rdzv-id",
-        run_id,
-        "--max-restarts",
-        str(max_restarts),
-        "-m",
-        module,
-        *to_argv(args),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    env["DTRAIN_INTERNAL_TTY"] = "1" if tty else "0"
-    if max_restarts:
-        env.update(RESTARTABLE_ENV)
-    if debug:
-        env["DTRAIN_DEBUG"] = "1"
-    return LocalPlan(
-        run_id, run, n, threads, command, env, resuming=resumed is not None, max_restarts=max_restarts,
-        hang_timeout=hang_timeout,
-    )  # fmt: skip
-
-
-def run_local(plan: LocalPlan, *, handle: Handle, events: Events | None = None) -> int:
-    """Run the plan to the end; returns the job's exit code (see ExitCode). The job's output goes
-    to this process's own stdout and stderr; a hang's line and stragglers go to `events`."""
-    from dtrain.common.nodeagent import HANG_GRACE_S
-    from dtrain.control.hangwatch import Action, LocalHangWatch
-
-    env = dict(plan.env)
-    watch = LocalHangWatch.start(plan.hang_timeout, env, plan.run, events or Events(), restarts=plan.max_restarts)
-    try:
-        proc = subprocess.Popen(
-            plan.command, env=env, start_new_session=True, preexec_fn=dies_with_parent(signal.SIGTERM)
-        )
-    except BaseException:
-        if watch is not None:
-            watch.close()
-        raise
-    forwarded: list[int] = []
-    deadline = float("inf")
-    hung = False
-    try:
-        while proc.poll() is None:
-            if watch is not None and not hung and watch.check(proc.pid) == Action.STOP:
-                hung = True  # nothing to save: SIGTERM, and SIGKILL soon (a stuck rank answers neither)
-                _kill_group(proc, signal.SIGTERM)
-                deadline = min(deadline, time.monotonic() + HANG_GRACE_S)
-            for stop in handle.take():
-                if stop == Stop.KILL:
-                    _kill_group(proc, signal.SIGKILL)
-                    continue
-                signum = signal.SIGINT if stop == Stop.INTERRUPT else signal.SIGTERM
-                forwarded.append(signum)
-                deadline = min(deadline, time.monotonic() + SHUTDOWN_GRACE_S)
-                _kill_group(proc, signum)
-            if time.monotonic() > deadline:
-                _kill_group(proc, signal.SIGKILL)
-                proc.wait()
-                break
-            time.sleep(POLL_S)
-    finally:
-        if proc.poll() is None:
-            _kill_group(proc, signal.SIGKILL)
-            proc.wait()
-        if watch is not None:
-            watch.sweep()
-            watch.close()
-    return outcome(plan.run, proc.returncode, forwarded, hung=watch.error if watch is not None else "")
-
-
-def _kill_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, sig)
 
 
 def outcome(run: Store, code: int, forwarded: Sequence[int], *, hung: str = "") -> int:

@@ -17,6 +17,7 @@ from typing import Any
 from dtrain.common.errors import UserError
 from dtrain.common.metrics import EVENTS, METRICS
 from dtrain.common.rundir import LATEST, STEP_RE, complete_meta, locate, read_json
+from dtrain.common.rundir import checkpoints as run_checkpoints
 from dtrain.common.storage import LocalStore, Store, is_remote, open_store
 
 # Terminal states: a run in one of them changes only if it is resumed, which rewrites status.json.
@@ -105,7 +106,7 @@ def _summary(root: Store, name: str) -> dict[str, Any]:
         return dict(cached.row)
     status = _json_or_empty(status_bytes)
     cfg = read_json(run, "config.json") or {}
-    steps = [int(m.group(1)) for p in run.list("checkpoints") if (m := STEP_RE.match(p.split("/")[1]))]
+    steps = [int(m.group(1)) for p in run_checkpoints(run).list("") if (m := STEP_RE.match(p.split("/")[0]))]
     metrics = read_jsonl(run, METRICS)
     metric, value = best_metric(metrics.rows)
     created, updated = cfg.get("created"), status.get("updated")
@@ -360,13 +361,13 @@ def read_status(run: Store) -> dict[str, Any]:
 def checkpoints(run: Store) -> list[dict[str, Any]]:
     """A run's checkpoint steps, oldest first: step, name, whether it is complete (its meta.json lists
     every file with its size), its creation time and total size, and which one LATEST names."""
-    files = run.list("checkpoints")
-    names = sorted({p.split("/")[1] for p in files if p.count("/") >= 2 and STEP_RE.match(p.split("/")[1])})
+    store = run_checkpoints(run)  # written in place, or the copies of the nodes' checkpoint directories
+    files = store.list("")
+    names = sorted({p.split("/")[0] for p in files if p.count("/") >= 1 and STEP_RE.match(p.split("/")[0])})
     try:
-        latest = run.read_bytes(f"checkpoints/{LATEST}").decode().strip()
+        latest = store.read_bytes(LATEST).decode().strip()
     except FileNotFoundError:
         latest = None
-    store = run.child("checkpoints")
     out = []
     for name in names:
         meta = complete_meta(store, name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import os
 import shutil
 import signal
@@ -102,11 +103,15 @@ def program_config(t: Target, job: Job, *, cluster: str, nodes: int, nproc: int 
     }
 
 
-def record_start(t: Target, job: Job, *, cluster: str, nodes: int, nproc: int, hosts: tuple[str, ...] = ()) -> None:
-    """config.json for a new run (a resumed one keeps its own), and status.json: running, on `hosts`."""
-    if not t.resumed:
+def record_start(
+    t: Target, job: Job, *, cluster: str, nodes: int, nproc: int, hosts: tuple[str, ...] = ()
+) -> dict[str, Any] | None:
+    """config.json for a new run (a resumed one keeps its own; a built-in writes its own, with its whole resolved
+    config), and status.json: running, on `hosts`. Returns the status.json it replaced (None: there was none)."""
+    if not t.resumed and not job.builtin:
         write_json(t.run, "config.json", program_config(t, job, cluster=cluster, nodes=nodes, nproc=nproc))
-    prev = read_json(t.run, "status.json") or {}
+    before = read_json(t.run, "status.json")
+    prev = before or {}
     write_json(
         t.run,
         "status.json",
@@ -120,19 +125,37 @@ def record_start(t: Target, job: Job, *, cluster: str, nodes: int, nproc: int, h
             "peers": [{"host": h} for h in hosts or (os.uname().nodename,)],
         },
     )
+    return before
 
 
-def record_end(t: Target, code: int, error: str = "") -> None:
+def record_end(t: Target, code: int, error: str = "", before: dict[str, Any] | None = None) -> int:
+    """status.json at the job's end, from its exit code; returns that code. A program that recorded its own end
+    (a built-in: dtrain.common.workload) and had completed when a stop came (its teardown) stays completed,
+    exit 0. A run the program never opened (a built-in's --show-example, or its input refused) leaves nothing;
+    a resume the program refused for its input (exit USAGE: a built-in given another model config) leaves the run's
+    status as it was (`before`, what record_start replaced)."""
+    if not t.run.exists("config.json"):
+        with contextlib.suppress(OSError, UserError):
+            if set(t.run.list("")) <= {"status.json"}:  # only record_start's: no debris
+                t.run.delete("")
+        return code
+    if code == ExitCode.USAGE and t.resumed and before is not None:
+        with contextlib.suppress(OSError, UserError):
+            write_json(t.run, "status.json", before)
+        return code
+    prev = read_json(t.run, "status.json") or {}
+    if code == ExitCode.PREEMPTED and prev.get("state") == "completed":
+        code = 0
     state = {0: "completed", int(ExitCode.PREEMPTED): "preempted", int(ExitCode.INTERRUPTED): "interrupted"}.get(
         code, "failed"
     )
-    prev = read_json(t.run, "status.json") or {}
     body = {**prev, "state": state, "exit_code": int(code), "updated": time.time()}
     body.pop("pid", None)
     if error:
         body["error"] = error
     with contextlib.suppress(OSError, UserError):
         write_json(t.run, "status.json", body)
+    return code
 
 
 def free_port() -> int:
@@ -241,27 +264,36 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
 
     job, t, nproc, max_restarts = plan.job, plan.target, plan.nproc, plan.max_restarts
     req = plan
-    assert job.workdir is not None
+    # A built-in (no working directory) is dtrain's own code, run from wherever the user is, with this Python.
+    workdir = job.workdir or Path.cwd()
+    if job.workdir is None and importlib.util.find_spec("torch") is None:
+        raise UserError(
+            f"training on this machine needs torch, which this Python ({sys.executable}) lacks: "
+            "pip install 'dtrain[train]' (scripts/setup.sh does it), or train on a cluster with --cluster NAME"
+        )
     gpus, cpus = count_gpus(), os.cpu_count() or 1
     n = processes(nproc, gpus=gpus, cpus=cpus, oversubscribe=req.oversubscribe) if job.program.under_torchrun else 1
     node_dir = cache_dir() / "jobs" / t.run_id
     node_dir.mkdir(parents=True, exist_ok=True)
-    env_result = deps.ensure_env(
-        job.workdir, cache_dir() / "envs", setup=job.setup, base_python=sys.executable, node="this machine",
-        log=lambda m: events.info(f"dtrain: {m}"),
-    )  # fmt: skip
+    env_result = deps.EnvResult(python=sys.executable, key="", created=False, log_file=None)
+    if job.workdir is not None:
+        env_result = deps.ensure_env(
+            job.workdir, cache_dir() / "envs", setup=job.setup, base_python=sys.executable, node="this machine",
+            log=lambda m: events.info(f"dtrain: {m}"),
+        )  # fmt: skip
     if not job.program.under_torchrun:  # a command that is not there: one line, before the run is made
         first = job.program.command_argv()[0]
         path = os.pathsep.join([str(Path(env_result.python).parent), os.environ.get("PATH", "")])
-        found = shutil.which(first, path=path) if "/" not in first else str(job.workdir / first)
+        found = shutil.which(first, path=path) if "/" not in first else str(workdir / first)
         if not found or not os.access(found, os.X_OK):
             raise UserError(f"command not found on this machine: {first} (install it, or give its full path)")
     if env_result.key:
         how = "installed" if env_result.created else "reused"
         events.emit("deps", f"requirements {how} ({env_result.key})", created=env_result.created, key=env_result.key)
+    t.run.check_writable()  # one line, before anything is made there (nothing is, for a bad input above)
     local_run = not is_remote(t.run.url)
     if job.checkpoint_dir:
-        ckpt = job.workdir / job.checkpoint_dir
+        ckpt = workdir / job.checkpoint_dir
     else:
         ckpt = Path(t.run.url) / "checkpoints" if local_run else node_dir / "checkpoints"
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -270,7 +302,7 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
     killed_box: list[bool] = []  # supervise had to SIGKILL the job
     mirrored = not (local_run and not job.checkpoint_dir)  # a local run's own folder needs no copy
     metrics_file = Path(t.run.url) / "metrics.jsonl" if local_run else node_dir / "metrics.jsonl"
-    record_start(t, job, cluster="", nodes=1, nproc=n)
+    before = record_start(t, job, cluster="", nodes=1, nproc=n)
     if mirrored or not local_run:
         from dtrain.common.mirror import Forward, Mirror, restore
 
@@ -293,7 +325,7 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
             checkpoint_dir=str(ckpt),
             metrics_file=str(metrics_file),
             stop_file=str(stop_file),
-            code_dir=str(job.workdir),
+            code_dir=str(workdir),
             node_rank=0,
             nnodes=1,
             nproc=n,
@@ -302,6 +334,7 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
             command=not job.program.under_torchrun,
         ),  # fmt: skip
         "PYTHONUNBUFFERED": "1",
+        "DTRAIN_INTERNAL_TTY": "1" if req.tty else "0",  # a built-in's rank 0 draws a live bar on a terminal
     }
     if job.program.under_torchrun:
         env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or str(max(1, cpus // n))
@@ -325,8 +358,12 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
     events.emit(
         "launch",
         f"{'resuming' if t.resumed else 'starting'} {job.name} run {t.run_id} on this machine: "
-        + (f"{n} process(es) under torchrun" if job.program.under_torchrun else "a command")
-        + f": {job.program.describe()}",
+        + (
+            f"{n} process(es) x {env['OMP_NUM_THREADS']} thread(s) under torchrun"
+            if job.program.under_torchrun
+            else "a command"
+        )
+        + ("" if job.builtin else f": {job.program.describe()}"),
         run_id=t.run_id,
         workload=job.name,
         nodes=1,
@@ -340,7 +377,7 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
                                  restarts=max_restarts if job.program.under_torchrun else 0)  # fmt: skip
     code = int(ExitCode.FAILURE)
     try:
-        code = supervise(argv, env=env, cwd=job.workdir, stop_file=stop_file, handle=handle, grace_s=req.grace_s,
+        code = supervise(argv, env=env, cwd=workdir, stop_file=stop_file, handle=handle, grace_s=req.grace_s,
                          what=job.program.describe(), pids=job_pids, killed=killed_box, watch=watch)  # fmt: skip
     finally:
         if watch is not None:
@@ -349,7 +386,7 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
             # Killed (KILL, or past the grace period): only settled files, since a save may have been cut
             # off; otherwise the folder as the program left it.
             mirror.close(final=not killed_box)
-        record_end(t, code, watch.error if watch is not None and code == ExitCode.HUNG else "")
+        code = record_end(t, code, watch.error if watch is not None and code == ExitCode.HUNG else "", before)
     return code
 
 

@@ -10,7 +10,7 @@ import torch
 
 from dtrain.common import config as cfgmod
 from dtrain.common.errors import UserError
-from dtrain.common.rundir import step_dir
+from dtrain.common.rundir import checkpoints, step_dir
 from dtrain.common.storage import Store
 from dtrain.evaluate.records import check_step
 
@@ -29,7 +29,7 @@ def workload_config(saved: dict[str, Any], cls: type[C]) -> C:
 def checkpoint_weights(run: Store, step: int) -> dict[str, Any]:
     """The `model` entry of checkpoint `step` (loaded as data only: a checkpoint cannot run code)."""
     check_step(run, step)
-    data = run.read_bytes(f"checkpoints/{step_dir(step)}/state.pt")
+    data = checkpoints(run).read_bytes(f"{step_dir(step)}/state.pt")
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)["model"]
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.common.errors import UserError
-from dtrain.common.rundir import STEP_RE, complete_meta, read_json, step_dir, write_json
+from dtrain.common.rundir import STEP_RE, checkpoints, complete_meta, read_json, step_dir, write_json
 from dtrain.common.storage import Store, is_remote, open_store
 
 EVAL_DIR = "eval"
@@ -78,7 +78,7 @@ def complete_steps(run: Store) -> list[int]:
     """The run's checkpoint steps that count (dtrain.common.rundir.complete_meta: meta.json lists every
     file at its size), oldest first. Read without torch, so a bad --checkpoint is refused before
     anything starts."""
-    store = run.child("checkpoints")
+    store = checkpoints(run)
     names = {p.split("/", 1)[0] for p in store.list("")}
     return sorted(int(m.group(1)) for n in names if (m := STEP_RE.match(n)) and complete_meta(store, n) is not None)
 

@@ -383,3 +383,46 @@ def test_a_killed_job_leaves_the_last_complete_copy_as_the_newest(tmp_path):
     # Ended by itself: the folder is as the program meant it, taken at once.
     m2 = Mirror(local, store, node=0, interval_s=60, log=lambda _m: None)
     assert m2.close(final=True).manifest == 2
+
+
+def test_the_view_reads_the_newest_complete_copies_in_place_as_restore_would_put_them_back(tmp_path):
+    """MirrorView (what `dtrain runs`, eval and the dashboard read of a run whose checkpoint directory was copied)
+    lists and reads the same files restore puts back: a truncated newest copy is passed over for the older one,
+    two nodes' copies are one directory, and a blob that lost its bytes is refused, never read as a checkpoint."""
+    from dtrain.common.rundir import checkpoints
+
+    run = open_store(str(tmp_path / "run"))
+    store = run.child("ckpt")
+    n0, n1 = tmp_path / "n0", tmp_path / "n1"
+    for d in (n0, n1):
+        (d / "step-00000002").mkdir(parents=True)
+    m0, m1 = Mirror(n0, store, node=0, log=lambda _: None), Mirror(n1, store, node=1, log=lambda _: None)
+    (n0 / "step-00000002" / "state.pt").write_bytes(b"s" * 300)
+    (n0 / "LATEST").write_bytes(b"step-00000002")
+    (n1 / "step-00000002" / "shard-1.pt").write_bytes(b"1" * 50)
+    assert settle(m0).manifest == 1 and settle(m1).manifest == 1
+    (n0 / "LATEST").write_bytes(b"step-00000004")
+    (n0 / "step-00000004").mkdir()
+    (n0 / "step-00000004" / "state.pt").write_bytes(b"t" * 400)
+    assert settle(m0).manifest == 2
+    store.write_bytes(f"blobs/{sha(b't' * 400)}", b"t" * 10)  # the newest copy of node 0 is incomplete
+
+    view = checkpoints(run)  # no checkpoints/ in the run: the copies
+    assert view.list("") == ["LATEST", "step-00000002/shard-1.pt", "step-00000002/state.pt"]
+    assert view.list("step-00000002") == ["step-00000002/shard-1.pt", "step-00000002/state.pt"]
+    assert view.read_bytes("LATEST") == b"step-00000002" and view.size("step-00000002/state.pt") == 300
+    assert view.child("step-00000002").read_bytes("shard-1.pt") == b"1" * 50
+    assert not view.exists("step-00000004/state.pt")
+    with pytest.raises(FileNotFoundError):
+        view.read_bytes("step-00000004/state.pt")
+    out = tmp_path / "out"
+    restore(store, out, log=lambda _: None)
+    assert files_under(out) == {p: view.read_bytes(p) for p in view.list("")}
+
+    store.write_bytes(f"blobs/{sha(b's' * 300)}", b"S" * 300)  # the right size, other bytes
+    with pytest.raises(ValueError, match="does not hold the bytes its name says"):
+        checkpoints(run).read_bytes("step-00000002/state.pt")
+
+    (tmp_path / "run" / "checkpoints").mkdir()
+    (tmp_path / "run" / "checkpoints" / "LATEST").write_bytes(b"step-00000009")
+    assert checkpoints(run).read_bytes("LATEST") == b"step-00000009"  # written in place: read there

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import torch
 from runs import (
     RUN_FILES,
     assert_no_workers_left,
+    bucket_checkpoints,
     env,
     latest_step,
     metrics,
@@ -29,6 +31,8 @@ from runs import (
 )
 from safetensors.torch import load_file
 
+from dtrain.common.env import cache_dir
+from dtrain.common.rundir import checkpoints
 from dtrain.common.storage import open_store
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -254,21 +258,19 @@ def test_a_run_in_a_bucket_checkpoints_there_and_resumes_from_it(tmp_path, gcs_b
     r = dtrain(["train", "mnist", *SMALL, "--epochs", "1", "--nproc", "2", "--output", out], tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     root = open_store(out)
-    run_id = only_run_in_bucket(
-        out,
-        tmp_path,
-        (
-            *RUN_FILES,
-            "checkpoints/step-00000064/state.pt",
-            "checkpoints/step-00000064/meta.json",
-            "final/model.safetensors",
-            "final/model.json",
-        ),
-    )
+    run_id = only_run_in_bucket(out, tmp_path, (*RUN_FILES, "final/model.safetensors", "final/model.json"))
+    # As for a user's script: the checkpoints were written to a local checkpoint directory ($DTRAIN_CHECKPOINT_DIR)
+    # and copied to the run's ckpt/; read in place there, they are the workload's own layout.
+    have = bucket_checkpoints(out, run_id)
+    assert {"LATEST", "step-00000064/state.pt", "step-00000064/meta.json"} <= set(have), have
+    assert checkpoints(root.child(run_id)).read_bytes("LATEST") == b"step-00000064"
 
+    local = cache_dir() / "jobs" / run_id / "checkpoints"
+    shutil.rmtree(local)  # the resume starts from the bucket's copy, not from what this machine kept
     r = dtrain(["train", "mnist", "--resume", run_id, "--output", out, "--epochs", "2"], tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"resuming from {out}/{run_id}/checkpoints/step-00000064 (step 64)" in r.stdout
+    assert "checkpoint directory restored" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert f"resuming from {local}/step-00000064 (step 64)" in r.stdout
     status = json.loads(root.read_bytes(f"{run_id}/status.json"))
     assert status["state"] == "completed" and status["result"]["steps"] == 128
     # The run's events and metrics are in the bucket as one ordered stream each, across both launches.

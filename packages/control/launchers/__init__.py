@@ -17,7 +17,11 @@ five steps every way of starting a job has:
 jobs (Kubernetes, say) is one new module here with `LAUNCHER`, and one line in REGISTRY.
 
 The built-in examples (dtrain mnist, lora) are Plans like any user's program: a module run under torchrun
-(their `Builtin.module`), with their own flags; nothing here names them.
+(their `Builtin.module`) with their own flags, its run placed as a program's (`Plan.target`); nothing here
+names them. On this machine they run exactly as a user's script does (userjob.run_program_here: the same
+contract, their checkpoints in $DTRAIN_CHECKPOINT_DIR). The ssh and slurm launchers still start them through
+their own functions (`Plan.builtin`: remote.launch_cluster, slurm.jobs.run_job), which write the checkpoints
+into the run itself; moving those two onto the program path is what is left of it.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ class Plan:
     """One job, resolved: what runs, where its run lives, on which nodes, with which launch options."""
 
     job: Job
-    target: Target | None  # the run (a built-in places its own: None)
+    target: Target  # the run: its id, its store, its starts so far
     cluster: Cluster
     nproc: int = 0  # processes per node for torchrun (0: one per GPU, or 2 on CPU)
     max_restarts: int = 0
@@ -53,7 +57,8 @@ class Plan:
     tty: bool = False  # the caller's output is a terminal (a built-in draws a live bar)
     debug: bool = False
     grace_s: float = STOP_GRACE_S
-    # A built-in's own resolution (its LaunchRequest and launch.Resolved): its flags, output and resumed run.
+    # A built-in's own resolution (its LaunchRequest and launch.Resolved), for the ssh and slurm launchers' own
+    # built-in path (see the module docstring); this machine's launcher does not read it.
     builtin: Any = None
 
 
