@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -330,7 +331,15 @@ def run_folder_mount(run_url: str) -> list[list[str]]:
 
 
 def program_container(
-    inner: dict[str, Any], *, image: str, run_id: str, node: str, docker: list[str], gpus: bool, run_url: str = ""
+    inner: dict[str, Any],
+    *,
+    image: str,
+    run_id: str,
+    node: str,
+    docker: list[str],
+    gpus: bool,
+    run_url: str = "",
+    mounts: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
     """Container mode for a user's program (the SSH launcher's and Slurm's node steps alike): this agent
     starts `docker run IMAGE python3 -m dtrain.common.nodeagent run --spec-env ...`, and the agent inside runs
@@ -344,8 +353,12 @@ def program_container(
     job's environment reaches the container by name only (-e NAME), and `inner` travels in one more such
     variable, so no value is on a command line. The program runs as this agent's user (its files are that
     user's, not the image's). A run kept in a folder (`run_url` not gs://: a shared filesystem) has that
-    folder's parent, the runs' folder, mounted at its own path too: the agent inside copies checkpoints there."""
+    folder's parent, the runs' folder, mounted at its own path too: the agent inside copies checkpoints there.
+    `mounts`: more node paths the job's arguments name (path, "ro" | "rw"), each at its own path (one that is
+    mounted already is not mounted twice: docker refuses that)."""
     env = dict(inner.get("env", {}))
+    own = run_folder_mount(run_url)
+    taken = {m[0] for m in own}
     inner = {**inner, "env": {}}
     env[INNER_SPEC_ENV] = json.dumps(inner)
     container = {
@@ -358,7 +371,8 @@ def program_container(
             [f"runs/{run_id}", "", "rw"],
             ["envs", "", "ro"],
             *map(list, CONTAINER_MOUNTS),
-            *run_folder_mount(run_url),
+            *own,
+            *[[path, "", mode] for path, mode in mounts if path not in taken],
         ],
         "pythonpath": [f"runs/{run_id}/code"],
         "user": "host",

@@ -51,7 +51,8 @@ def locate(output: str, ref: str) -> Store:
     candidates = [ref] if is_remote(ref) or "/" in ref else [f"{output.rstrip('/')}/{ref}", ref]
     for c in candidates:
         store = open_store(c)
-        if store.exists("config.json") or store.list(CHECKPOINTS):
+        # config.json (the job's), status.json (a launcher records a start before the program writes anything)
+        if store.exists("config.json") or store.exists("status.json") or store.list(CHECKPOINTS):
             return store
     raise UserError(
         f"no run {ref!r} found (looked in {', '.join(candidates)}): "

@@ -170,7 +170,9 @@ def _open_run(workload: str, cfg: Any, d: Dist, resumed: Store | None) -> tuple[
         else:  # a plain torchrun: every rank must agree on one new id
             run_id = cfg.run.run_id or (d.env.run_id if RUN_ID_RE.match(d.env.run_id) else "")
             run_id, run = run_location(workload, cfg.run.output, run_id or d.broadcast(new_run_id(workload)))
-        if d.env.restart_count > 0 and d.broadcast(run.exists("config.json") if d.is_main else None):
+        if (d.env.restart_count > 0 or _relaunched(run)) and d.broadcast(
+            run.exists("config.json") if d.is_main else None
+        ):
             resumed = run
 
     def prepare() -> None:
@@ -215,6 +217,16 @@ def _open_run(workload: str, cfg: Any, d: Dist, resumed: Store | None) -> tuple[
 
     _on_main_then_share(d, prepare)
     return run, run_id, resumed is not None
+
+
+def _relaunched(run: Store) -> bool:
+    """dtrain's launcher started this run's job again (after a failure on a node: DTRAIN_RESTART_COUNT)."""
+    if os.environ.get(jobenv.RUN_URL, "").rstrip("/") != run.url.rstrip("/"):
+        return False
+    try:
+        return int(os.environ.get(jobenv.RESTART_COUNT) or 0) > 0
+    except ValueError:
+        return False
 
 
 def _on_main_then_share(d: Dist, fn: Callable[[], None]) -> None:
@@ -272,11 +284,15 @@ def checkpoint_store(run: Store) -> Store:
     """Where this run's checkpoints go: the checkpoint directory dtrain's launcher gave the job
     (DTRAIN_CHECKPOINT_DIR, a local folder on each node that the launcher copies to the run and puts back
     before a restart or resume: dtrain.common.mirror), as for any user's program; under a plain torchrun (or
-    in a job launched for another run) the run's own checkpoints/."""
+    in a job launched for another run) the run's own checkpoints/, as also for a run whose checkpoints are
+    already there (one a previous dtrain wrote in place): it goes on where they are."""
     given = os.environ.get(jobenv.CHECKPOINT_DIR)
+    in_place = run.child(CHECKPOINTS)
     if given and os.environ.get(jobenv.RUN_URL, "").rstrip("/") == run.url.rstrip("/"):
-        return open_store(given)
-    return run.child(CHECKPOINTS)
+        store = open_store(given)
+        if store.url.rstrip("/") == in_place.url.rstrip("/") or store.list("") or not in_place.list(""):
+            return store
+    return in_place
 
 
 def _curves(run: Store, report: Reporter) -> None:

@@ -288,10 +288,9 @@ def export(req: ExportRequest, *, events: Events, handle: Handle) -> dict[str, A
     if req.format != "onnx":
         raise UserError(f"export format {req.format!r}: export supports --onnx only")
     target = resolve(req)
-    if records.EXPORTABLE.get(target.workload) != req.format:
-        raise UserError(records.export_refusal(target.run.url, target.workload))
+    exporter = _exporter(target)
     need_torch_here(target)
-    argv = ["export", *_common_argv(target, req), "--onnx"]
+    argv = ["export", *_common_argv(target, req), "--onnx", "--exporter", exporter]
     events.emit("launch", f"exporting {target.run.url} to ONNX")
     code, error = run_module(target, argv, label="export", events=events, handle=handle)
     if code != 0:
@@ -302,6 +301,18 @@ def export(req: ExportRequest, *, events: Events, handle: Handle) -> dict[str, A
         Path(req.copy_to).write_bytes(target.run.read_bytes(model_path))
         check["copied_to"] = str(Path(req.copy_to).resolve())
     return check
+
+
+def _exporter(target: Target) -> str:
+    """The module that exports `target`'s workload (its registry entry's `export`); one line if it has none."""
+    from dtrain.control.settings import WORKLOADS as table
+
+    b = table.get(target.workload)
+    if b is not None and b.export:
+        return b.export
+    supported = ", ".join(f"{name} runs to ONNX" for name, e in table.items() if e.export) or "no runs"
+    note = f" ({b.export_note})" if b is not None and b.export_note else ""
+    raise UserError(f"run {target.run.url} is a {target.workload} run{note}: export --onnx supports {supported} only")
 
 
 # -- running the module ------------------------------------------------------------------------------

@@ -100,7 +100,14 @@ def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResul
 
         where = f"cluster {r.cluster.name}" if launchers.over_ssh(r.cluster) else "this machine"
         raise UserError(f"--time is a Slurm job's time limit: {where} has no Slurm")
+    from dtrain.control.remote import node_paths
+
     target, args = builtin_target(req.workload, r)
+    cluster = r.cluster
+    if req.image:  # container mode: the cluster's image for this job, as for a program (userjob.program_plan)
+        from dtrain.control.cluster import check_image
+
+        cluster = dataclasses.replace(cluster, image=check_image(req.image, "--image"))
     job = Job(
         name=req.workload,
         program=Program(kind=MODULE, target=builtin(req.workload).module, args=tuple(to_argv(args))),
@@ -109,7 +116,7 @@ def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResul
     plan = launchers.Plan(
         job=job,
         target=target,
-        cluster=r.cluster,
+        cluster=cluster,
         nproc=r.settings.launch.nproc,
         max_restarts=r.settings.launch.max_restarts,
         hang_timeout=r.settings.launch.hang_timeout_s,
@@ -118,6 +125,7 @@ def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResul
         oversubscribe=req.oversubscribe,
         tty=req.tty,
         debug=req.debug,
+        mounts=tuple(sorted(node_paths(args, target.run.url).items())),
         builtin=(req, r),
     )
     result = launchers.get(r.cluster.launcher).launch(plan, events=events, handle=handle)

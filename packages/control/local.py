@@ -1,6 +1,6 @@
-"""What starting a job on this machine needs, and the SSH launcher's built-in path shares: the GPUs here
-(nvidia-smi, no torch), a built-in's run placed under --output (`run_target`), and the job's exit code
-reconciled with the run's status.json (`outcome`).
+"""What starting a job on this machine needs: the GPUs here (nvidia-smi, no torch), the process count
+(dtrain.common.nproc), torchrun's restart setting, and a built-in's run placed under --output (`run_target`,
+which Slurm's built-in path still uses).
 
 A job on this machine (a user's program or a built-in, the same way) is started by
 dtrain.control.userjob.run_program_here (dtrain.control.launchers.here): torchrun on localhost in a session of
@@ -10,19 +10,15 @@ watched for hangs (dtrain.control.hangwatch), and given dtrain's variables (dtra
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import subprocess
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from dtrain.common import jobenv
-from dtrain.common.errors import ExitCode, UserError
 from dtrain.common.nproc import MAX_PROCS_PER_CORE, auto_nproc, processes  # noqa: F401  # their home: common
-from dtrain.common.rundir import read_json, run_location, write_json
+from dtrain.common.rundir import run_location
 from dtrain.common.storage import Store
 
 # torchrun's restarts (--max-restarts) with a fresh rendezvous store each time. By default (torch >= 2.4) the
@@ -61,36 +57,3 @@ def run_target(
         return run_id, resumed, {**workload_args, "output": output, "resume": resumed.url, "run_dir": resumed.url}
     run_id, run = run_location(workload, output, workload_args.get("run_id") or "")
     return run_id, run, {**workload_args, "output": output, "run_id": run_id, "run_dir": run.url}
-
-
-def outcome(run: Store, code: int, forwarded: Sequence[int], *, hung: str = "") -> int:
-    """The job's exit code, reconciled with what the workload recorded in status.json: a SIGTERM'd
-    torchrun exits 143 even though its workers checkpointed and exited PREEMPTED. `hung`: the job was
-    stopped for a hang (status.json's error, "hung: ..."): it ends ExitCode.HUNG, whatever its ranks said."""
-    status = read_json(run, "status.json") or {}
-    state = status.get("state")
-    if hung or (code == ExitCode.HUNG and state in (None, "running")):
-        # Without `hung`: a cluster's agent stopped it (exit 4); the launcher's line and the run's events say where.
-        _failed(run, status, int(ExitCode.HUNG), hung or "hung: a rank made no progress for its hang timeout "
-                "(the hang event in events.jsonl names it; its stacks are under hangs/)")  # fmt: skip
-        return int(ExitCode.HUNG)
-    if state == "preempted":
-        return int(ExitCode.PREEMPTED)
-    if state == "completed" and (code == 0 or signal.SIGTERM in forwarded):
-        return 0  # a stop that came after the run had finished (its teardown) does not undo it
-    if code < 0:  # torchrun itself was killed by a signal
-        code = int(ExitCode.INTERRUPTED) if -code == signal.SIGINT else int(ExitCode.FAILURE)
-    if signal.SIGINT in forwarded and code not in (0, int(ExitCode.USAGE)):
-        code = int(ExitCode.INTERRUPTED)
-    elif code == 128 + signal.SIGTERM:
-        code = int(ExitCode.FAILURE)
-    if state == "running" and code != 0:
-        # Rank 0 died without recording its end (killed, OOM): record it so `dtrain runs` is right.
-        _failed(run, status, code, "the job was killed or crashed")
-    return code
-
-
-def _failed(run: Store, status: dict[str, Any], code: int, error: str) -> None:
-    with contextlib.suppress(OSError, UserError):
-        write_json(run, "status.json", {**status, "state": "failed", "exit_code": code, "updated": time.time(),
-                                        "error": error})  # fmt: skip

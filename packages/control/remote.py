@@ -1,25 +1,21 @@
-"""Launch a workload across a cluster's nodes over SSH: torchrun on every node, one job.
-
-The steps, each failing with a one-line error that names the node:
+"""The steps a job on a cluster's nodes takes over SSH, for every job (a user's program or a built-in: both are
+launched by dtrain.control.remote_program), `dtrain eval --cluster` and the node checks. Each fails with a
+one-line error that names the node:
 1. connect to every node at once (dtrain.control.ssh; host keys checked against dtrain's known_hosts);
-2. sync dtrain's workload code to a per-run directory on each node, `<workdir>/runs/<run id>/code`
-   (synced mode: the node's `python` must have torch and the workload's libraries). In container mode
-   (an `image`) only the node agent is copied (standard library only; the node's `python` runs it),
-   `docker` is checked on every node and the image pulled on all of them at once, and the job runs as
-   `docker run --network host <image> python3 -m dtrain.common.nodeagent run`: an agent inside the container
-   runs torchrun and watches its ranks for hangs (its spec travels by name); the rest is the same;
-3. ask each node for its Python, torch, CPUs and GPUs (nodeagent info); refuse mismatched versions
-   (synced mode: in container mode the image fixes them);
+2. sync dtrain's node-side code (the agent, the SDK, the built-ins' packages) to a per-run directory on each
+   node, `<workdir>/runs/<run id>/code` (`code_archive`). In container mode `docker` is checked on every node
+   and the image pulled on all of them at once;
+3. ask each node for its Python, torch, CPUs and GPUs (nodeagent info);
 4. check every worker can open a TCP connection to the master's rendezvous port;
 5. start `nodeagent run` on every node, which runs torchrun with a c10d rendezvous on the master
    (`--rdzv-conf is_host=1` there), `--local-addr` set to the node's cluster address and the run id
    as the rendezvous id; the job's environment travels over SSH's stdin, never on a command line;
 6. report every node's output as events (the CLI prints them prefixed with the node's name) and write
-   them to `logs/<node>.log` under the run; rank 0's progress comes as events too;
+   them to `logs/<node>.log` under the run; rank 0's progress comes as events too (`Job`);
 7. the caller's Handle: INTERRUPT sends INT to every node's job, KILL 5 s later; KILL at once;
    TERMINATE sends TERM (the ranks checkpoint and exit PREEMPTED). A node whose job
    fails (or whose SSH connection dies) fails the job: the others get KILL after a short grace, so
-   nothing hangs. Torchrun's own restarts (--max-restarts) recover from a crash first.
+   nothing hangs;
 8. hangs (docs/hangs.md): an agent that finds a rank without progress sends its stacks, which go to the run's
    hangs/<node>-rank<r>.txt, with one line and a "hang" event; the job is stopped on every node and counts
    as failed (ExitCode.HUNG) for the relaunch. An agent silent for its hang timeout counts as a hung node.
@@ -39,7 +35,6 @@ import json
 import os
 import queue
 import shlex
-import signal
 import subprocess
 import tarfile
 import threading
@@ -123,23 +118,6 @@ def code_archive() -> tuple[bytes, str]:
                 data = f.read_bytes()
                 ti.size, ti.mtime, ti.mode = len(data), 0, 0o644
                 tar.addfile(ti, io.BytesIO(data))
-    data = buf.getvalue()
-    return data, hashlib.sha256(data).hexdigest()[:12]
-
-
-def agent_archive() -> tuple[bytes, str]:
-    """Container mode: only the node agent (standard library only) goes to the nodes; the workload code
-    is in the image."""
-    buf = io.BytesIO()
-    spec = importlib.util.find_spec("dtrain.common")
-    assert spec is not None and spec.submodule_search_locations
-    root = Path(list(spec.submodule_search_locations)[0])
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for name in ("__init__.py", "nodeagent.py"):
-            data = (root / name).read_bytes()
-            ti = tarfile.TarInfo(f"dtrain/common/{name}")
-            ti.size, ti.mtime, ti.mode = len(data), 0, 0o644
-            tar.addfile(ti, io.BytesIO(data))
     data = buf.getvalue()
     return data, hashlib.sha256(data).hexdigest()[:12]
 
@@ -764,110 +742,4 @@ class Job:
         self.events.emit("output", line, node=name)
 
 
-def launch_cluster(
-    workload: str,
-    workload_args: dict[str, Any],
-    *,
-    module: str,
-    cluster: Cluster,
-    nproc: int,
-    max_restarts: int,
-    output: str,
-    resumed: Store | None,
-    accept_new_host_keys: bool,
-    events: Events,
-    handle: Handle,
-    image: str = "",
-    oversubscribe: bool = False,
-    debug: bool = False,
-    hang_timeout: float | None = None,
-) -> tuple[int, Store, str]:
-    """Run the job on every node; returns (exit code, run directory, run id). `image` (or the cluster's):
-    container mode."""
-    from dtrain.common.config import to_argv
-    from dtrain.control.local import outcome, processes, run_target
-
-    run_id, run, args = run_target(workload, workload_args, output, resumed)
-    if len(cluster.nodes) > 1 and not is_remote(run.url) and not cluster.shared_fs:
-        raise UserError(
-            f"a run on {len(cluster.nodes)} nodes needs --output that every node reaches: a gs://bucket/prefix "
-            f"(or set shared_fs = true in [clusters.{cluster.name}] if {output} is a shared filesystem)"
-        )
-    if image:
-        from dtrain.control.cluster import check_image
-
-        cluster = dataclasses.replace(cluster, image=check_image(image, "--image"))
-    archive, digest = agent_archive() if cluster.image else code_archive()
-    logs = LogFiles(run_id, run)
-    try:
-        with SSH(cluster, accept_new_host_keys=accept_new_host_keys) as ssh:
-            attempt = 0
-            while True:
-                t0 = time.monotonic()
-                ssh.connect_all()
-                if attempt == 0:
-                    sync_code(ssh, run_id, archive)
-                    if cluster.image:
-                        check_docker(ssh)
-                        pulled_s = pull_image(ssh, cluster.image)
-                        events.info(f"pulled {cluster.image} on {len(cluster.nodes)} node(s) in {pulled_s:.1f} s")
-                infos = node_infos(ssh, run_id, container=bool(cluster.image))
-                check_port(ssh, run_id, cluster.master, cluster.rdzv_port, cluster.nodes[1:], "rendezvous")
-                m = infos[cluster.master.name]
-                n = nproc or processes(0, gpus=m.gpus, cpus=m.cpus, oversubscribe=False)
-                for node in cluster.nodes:  # every node runs n processes: each must have room for them
-                    i = infos[node.name]
-                    processes(n, gpus=i.gpus, cpus=i.cpus, oversubscribe=oversubscribe, where=f"node {node.name}")
-                specs = {
-                    node.name: job_spec(
-                        cluster,
-                        node,
-                        module=module,
-                        run_id=run_id,
-                        nproc=n,
-                        threads=max(1, infos[node.name].cpus // n),
-                        max_restarts=0,  # dtrain relaunches the whole job instead (see below)
-                        argv=to_argv(args),
-                        gpus=max(infos[node.name].gpus, node.gpus),
-                        paths=node_paths(args, run.url),
-                        debug=debug,
-                        hang_timeout=hang_timeout,
-                    )
-                    for node in cluster.nodes
-                }
-                verb = "resuming" if resumed is not None or attempt else "starting"
-                events.emit(
-                    "launch",
-                    f"{verb} {workload} run {run_id} on cluster {cluster.name}: "
-                    f"{len(cluster.nodes)} node(s) x {n} process(es), "
-                    + (f"image {cluster.image} " if cluster.image else f"torch {m.torch}, code {digest} ")
-                    + f"(ready in {time.monotonic() - t0:.1f} s)",
-                    run_id=run_id,
-                    workload=workload,
-                    nodes=len(cluster.nodes),
-                    nproc=n,
-                )
-                job = Job(ssh, cluster, run_id, specs, logs, events=events, handle=handle)
-                code = job.run()
-                for node in cluster.nodes:  # how `dtrain logs -f` knows a node's lines are complete
-                    logs.write(node.name, f"{JOB_ENDED} (exit {job.codes.get(node.name, code)})")
-                retry = code not in (0, int(ExitCode.USAGE), int(ExitCode.PREEMPTED)) and not job.interrupted
-                if not retry or attempt >= max_restarts or not run.exists("config.json"):
-                    break
-                # Relaunch every node from the last complete checkpoint. torchrun's own restarts are not
-                # used across nodes: a node whose agent restarts on a membership change counts no
-                # restart, so the nodes' store prefixes and TORCHELASTIC_RESTART_COUNT disagree.
-                attempt += 1
-                events.info(
-                    f"dtrain: the job failed (exit {code}); relaunching it on every node from the last "
-                    f"complete checkpoint (restart {attempt} of {max_restarts})"
-                )
-                args = {**{k: v for k, v in args.items() if k != "run_id"}, "resume": run.url}
-    finally:
-        logs.close(run)
-    forwarded = [signal.SIGINT] if job.interrupted else []
-    hung = job.hang_error() if code == int(ExitCode.HUNG) else ""
-    return outcome(run, code, forwarded, hung=hung), run, run_id
-
-
-__all__ = ["launch_cluster", "code_archive", "check_port", "node_infos", "sync_code", "Job"]
+__all__ = ["code_archive", "check_port", "node_infos", "sync_code", "Job"]

@@ -26,6 +26,7 @@ import shlex
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -169,14 +170,13 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
 
     req, job, t, cluster = plan, plan.job, plan.target, plan.cluster
     nproc, max_restarts = plan.nproc, plan.max_restarts
-    assert job.workdir is not None
     if len(cluster.nodes) > 1 and not is_remote(t.run.url) and not cluster.shared_fs:
         raise UserError(
             f"a run on {len(cluster.nodes)} nodes needs --output that every node reaches: a gs://bucket/prefix "
             f"(or set shared_fs = true in [clusters.{cluster.name}] if it is a shared filesystem)"
         )
     image = cluster.image  # container mode (--image is the cluster's by now: userjob.program_plan)
-    exclude = sync_excludes(job, t.run.url)
+    exclude = sync_excludes(job, t.run.url) if job.workdir is not None else []
     archive, digest = code_archive()  # in container mode too: the agent inside, the SDK and the mirror
     logs = LogFiles(t.run_id, t.run)
     code, hung = int(ExitCode.FAILURE), ""
@@ -195,8 +195,11 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
                 port_checked = pool.submit(
                     check_port, ssh, t.run_id, cluster.master, cluster.rdzv_port, cluster.nodes[1:], "rendezvous"
                 )
-                sync_workdir(ssh, t, job.workdir, exclude, events, limit_mb=job.code_limit_mb)
-                pythons = ensure_deps(ssh, t, job.setup, events, image)
+                if job.workdir is not None:  # a built-in's code is dtrain's own, synced above
+                    sync_workdir(ssh, t, job.workdir, exclude, events, limit_mb=job.code_limit_mb)
+                    pythons = ensure_deps(ssh, t, job.setup, events, image)
+                else:  # the node's Python, or in container mode the image's (as deps.ensure_in_image gives it)
+                    pythons = {n.name: "python3" if image else n.python for n in cluster.nodes}
                 port_checked.result()
             nodes = tuple(dataclasses.replace(n, python=pythons[n.name]) for n in cluster.nodes)
             cluster = dataclasses.replace(cluster, nodes=nodes)
@@ -210,7 +213,7 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
                 for node in cluster.nodes:
                     i = infos[node.name]
                     processes(n, gpus=i.gpus, cpus=i.cpus, oversubscribe=req.oversubscribe, where=f"node {node.name}")
-            record_start(
+            before = record_start(
                 t,
                 job,
                 cluster=cluster.name,
@@ -235,7 +238,8 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
                     f"{len(cluster.nodes)} node(s)"
                     + (f" x {n} process(es) under torchrun" if torchrun else ", the command once per node")
                     + (f", image {image}" if image else "")
-                    + f", dtrain code {digest} (ready in {time.monotonic() - t0:.1f} s): {job.program.describe()}",
+                    + f", dtrain code {digest} (ready in {time.monotonic() - t0:.1f} s)"
+                    + ("" if job.builtin else f": {job.program.describe()}"),
                     run_id=t.run_id,
                     workload=job.name,
                     nodes=len(cluster.nodes),
@@ -268,7 +272,7 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
 
                 st = read_json(t.run, "status.json") or {}
                 write_json(t.run, "status.json", {**st, "starts": t.restarts + attempt + 1})
-            record_end(t, code, hung)
+            code = record_end(t, code, hung, before)
     return code
 
 
@@ -290,9 +294,14 @@ def program_spec(
     master = cluster.master
     torchrun = job.program.under_torchrun
     ckpt = f"work/{job.checkpoint_dir}" if job.checkpoint_dir else "checkpoints"
+    work = "work" if job.workdir is not None else "."  # a built-in has no working directory: the run's own
     env = {
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": str(threads),
+        # dtrain's own workloads (dtrain.common.workload) print plain lines, and their progress as lines the
+        # launcher draws its bar from (remote.Job); a user's program does not read these.
+        "DTRAIN_INTERNAL_TTY": "0",
+        "DTRAIN_INTERNAL_PROGRESS": "1",
         **{k: os.environ[k] for k in FORWARD_ENV if os.environ.get(k)},
         **cluster.env,
         **job.env,
@@ -301,7 +310,7 @@ def program_spec(
             checkpoint_dir=ckpt,
             metrics_file="metrics.jsonl",
             stop_file="STOP",
-            code_dir="work",
+            code_dir=work,
             node_rank=rank,
             nnodes=len(cluster.nodes),
             nproc=nproc,
@@ -337,7 +346,7 @@ def program_spec(
         "checkpoint_dir": ckpt,
         "stop_file": "STOP",
         "metrics_file": "metrics.jsonl",
-        "code_dir": "work",
+        "code_dir": work,
         "mirror": {
             "store": t.run.child(CKPT_PREFIX).url,
             "node": rank,
@@ -349,7 +358,7 @@ def program_spec(
     spec = {
         "argv": argv,
         "env": env,
-        "cwd": "work",
+        "cwd": work,
         "grace_s": req.grace_s,
         "ifname_for": node.address,
         "files": files,
@@ -357,17 +366,27 @@ def program_spec(
         "path_prepend": path_prepend,
         "hang": hang_spec(getattr(req, "hang_timeout", None)),
     }
-    return container_spec(spec, cluster.image, t.run_id, node, gpus, t.run.url) if cluster.image else spec
+    if not cluster.image:
+        return spec
+    mounts = getattr(req, "mounts", ())
+    return container_spec(spec, cluster.image, t.run_id, node, gpus, t.run.url, mounts=mounts)
 
 
 def container_spec(
-    inner: dict[str, Any], image: str, run_id: str, node: Node, gpus: int, run_url: str = ""
+    inner: dict[str, Any],
+    image: str,
+    run_id: str,
+    node: Node,
+    gpus: int,
+    run_url: str = "",
+    *,
+    mounts: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
     """Container mode for a user's program on `node`: dtrain.common.nodeagent.program_container."""
     from dtrain.common.nodeagent import program_container
 
     return program_container(inner, image=image, run_id=run_id, node=node.name, docker=shlex.split(node.docker),
-                             gpus=gpus > 0, run_url=run_url)  # fmt: skip
+                             gpus=gpus > 0, run_url=run_url, mounts=mounts)  # fmt: skip
 
 
 __all__ = ["launch_program_cluster", "program_spec", "project_key", "SHUTDOWN_GRACE_S"]

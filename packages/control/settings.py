@@ -82,13 +82,19 @@ class Builtin:
     eval --evaluator MODULE` calls its `evaluate_args(run, saved, step, *, device, args, log)`; "" for none);
     `eval_options`, which of eval's workload options it takes ("data", "prompts", "max_new_tokens"; the
     others are refused in one line); `eval_view`, "module:function" that turns an evaluation's record into
-    the terminal's headline and details (a CLI-side module: no torch), or "" for a table of its figures."""
+    the terminal's headline and details (a CLI-side module: no torch), or "" for a table of its figures.
+
+    `dtrain export --onnx` of its runs: `export` names the module whose `export(run, saved, step, *, data_dir,
+    split, log)` writes the ONNX model and its check under the run (`python -m dtrain.evaluate export
+    --exporter MODULE` calls it); "" for none, and then `export_note` says where its model already is."""
 
     config: str
     module: str
     evaluate: str = ""
     eval_options: tuple[str, ...] = ()
     eval_view: str = ""
+    export: str = ""
+    export_note: str = ""
 
 
 # The built-in examples. A new one is one entry here (and its package); a user's own package can add one
@@ -99,6 +105,7 @@ WORKLOADS: dict[str, Builtin] = {
         "dtrain.mnist.train",
         evaluate="dtrain.evaluate.mnist",
         eval_view="dtrain.cli.eval_views:mnist",
+        export="dtrain.evaluate.export",
     ),
     "lora": Builtin(
         "dtrain.lora.config:LoraConfig",
@@ -106,6 +113,7 @@ WORKLOADS: dict[str, Builtin] = {
         evaluate="dtrain.evaluate.lora",
         eval_options=("data", "prompts", "max_new_tokens"),
         eval_view="dtrain.cli.eval_views:lora",
+        export_note="its adapter is already saved in PEFT format under final/adapter",
     ),
 }
 ENTRY_POINTS = "dtrain.workloads"

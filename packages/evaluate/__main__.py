@@ -66,8 +66,13 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--prompts", default="", help="LoRA: a file (or gs:// object) of prompts, one a line")
     e.add_argument("--max-new-tokens", type=int, default=0, help="LoRA: tokens sampled per continuation (0: 48)")
 
-    x = sub.add_parser("export", parents=[common], help="export the MNIST model (ONNX), checked against torch")
+    x = sub.add_parser("export", parents=[common], help="export a run's model (ONNX), checked against torch")
     x.add_argument("--onnx", action="store_true", required=True, help="the format (ONNX is the one there is)")
+    x.add_argument(
+        "--exporter",
+        required=True,
+        help="the module that exports this workload's runs (its registry's `export`, which dtrain export passes)",
+    )
     return p
 
 
@@ -86,18 +91,23 @@ def logged_figures(run: Store, step: int | None) -> dict[str, Any]:
 
 def _evaluator(name: str, run: Store, workload: str) -> Any:
     """The module that evaluates `workload`'s runs (it has evaluate_args); one line if there is none."""
+    return _plugin(name, run, workload, "evaluator", "evaluate_args(run, saved, step, *, device, args, log)")
+
+
+def _plugin(name: str, run: Store, workload: str, what: str, signature: str) -> Any:
+    """The module `name` (a registry entry's evaluator or exporter), which must have `signature`'s function."""
     import importlib
 
     if not re.fullmatch(r"[A-Za-z_][\w.]*", name):
-        raise UserError(f"--evaluator {name!r}: a module name, such as dtrain.evaluate.mnist")
+        raise UserError(f"--{what} {name!r}: a module name, such as dtrain.evaluate.mnist")
     try:
         module = importlib.import_module(name)
     except ModuleNotFoundError as e:
-        if e.name and name.startswith(e.name):  # the evaluator itself, not one of its imports
-            raise UserError(f"run {run.url} is a {workload} run: no evaluator {name} for it here") from None
+        if e.name and name.startswith(e.name):  # the module itself, not one of its imports
+            raise UserError(f"run {run.url} is a {workload} run: no {what} {name} for it here") from None
         raise
-    if not callable(getattr(module, "evaluate_args", None)):
-        raise UserError(f"{name} has no evaluate_args(run, saved, step, *, device, args, log): not an evaluator")
+    if not callable(getattr(module, signature.split("(")[0], None)):
+        raise UserError(f"{name} has no {signature}: not an {what}")
     return module
 
 
@@ -144,14 +154,11 @@ def run_eval(args: argparse.Namespace, run: Store, saved: dict[str, Any]) -> dic
 
 
 def run_export(args: argparse.Namespace, run: Store, saved: dict[str, Any]) -> dict[str, Any]:
-    workload = saved["workload"]
-    if records.EXPORTABLE.get(workload) != "onnx":
-        raise UserError(records.export_refusal(run.url, workload))
+    signature = "export(run, saved, step, *, data_dir, split, log)"
+    exporter = _plugin(args.exporter, run, saved["workload"], "exporter", signature)
     if args.checkpoint is not None:
         records.check_step(run, args.checkpoint)
-    from dtrain.evaluate.export import export
-
-    check = export(run, saved, args.checkpoint, data_dir=args.data_dir, split=args.split, log=say)
+    check = exporter.export(run, saved, args.checkpoint, data_dir=args.data_dir, split=args.split, log=say)
     say(
         f"ONNX model written to {check['path']}: max |logit difference| from torch {check['max_abs_diff']:.3g} "
         f"on {check['images']} images, predictions equal: {'yes' if check['predictions_equal'] else 'no'}"

@@ -25,14 +25,6 @@ from dtrain.common.storage import Store, is_remote, open_store
 
 EVAL_DIR = "eval"
 EVAL_ID_RE = re.compile(r"^eval-\d{8}-\d{6}-[0-9a-f]{4}$")
-# What `export --onnx` can export, by workload; the others' final models stay in their own format.
-EXPORTABLE = {"mnist": "onnx"}
-
-
-def export_refusal(url: str, workload: str) -> str:
-    supported = ", ".join(f"{w} runs to {f.upper()}" for w, f in EXPORTABLE.items())
-    extra = " (its adapter is already saved in PEFT format under final/adapter)" if workload == "lora" else ""
-    return f"run {url} is a {workload} run{extra}: export --onnx supports {supported} only"
 
 
 def new_eval_id(now: datetime.datetime | None = None) -> str:

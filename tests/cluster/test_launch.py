@@ -22,7 +22,7 @@ from runs import CLI, isolated_env
 
 from dtrain.common.checkpoint import find_latest
 from dtrain.common.errors import ExitCode
-from dtrain.common.rundir import read_json
+from dtrain.common.rundir import checkpoints, read_json
 from dtrain.common.storage import open_store
 
 from .bed import Testbed, ssh_argv
@@ -60,6 +60,8 @@ def cli_env(cwd: Path, emulator: str) -> dict[str, str]:
         XDG_CONFIG_HOME=str(cwd / "config"),
         XDG_CACHE_HOME=str(cwd / "xdg-cache"),
         COLUMNS="200",
+        # The checkpoint directory is copied every 0.5 s, not 30: the tests wait for a checkpoint in the bucket.
+        DTRAIN_INTERNAL_MIRROR_INTERVAL_S="0.5",
     )
 
 
@@ -118,7 +120,8 @@ def run_of(out: str) -> str:
 
 
 def latest_checkpoint(url: str) -> int:
-    found = find_latest(open_store(url).child("checkpoints"), lambda _m: None)
+    # Written in each node's checkpoint directory, copied to the run's ckpt/ (read in place: rundir.checkpoints).
+    found = find_latest(checkpoints(open_store(url)), lambda _m: None)
     return found.step if found is not None else -1
 
 
@@ -148,8 +151,8 @@ def test_two_hosts_two_processes_train_to_the_bucket(cwd: Path, emulator: str, t
     assert {p["host"] for p in status["peers"]} and len(status["peers"]) == 4  # 2 hosts x 2 processes
     final = status["result"]
     assert final["accuracy"] >= 0.80 and final["steps"] == TOTAL_STEPS and final["world_size"] == 4, final
-    # Checkpoints in the bucket: the periodic ones and the last, each complete.
-    steps = sorted({int(f.split("/")[1].split("-")[1]) for f in run.list("checkpoints") if f.endswith("/meta.json")})
+    # Checkpoints in the bucket (the checkpoint directory's copies): the periodic ones and the last, each complete.
+    steps = sorted({int(f.split("/")[0].split("-")[1]) for f in checkpoints(run).list("") if f.endswith("/meta.json")})
     assert TOTAL_STEPS in steps and len(steps) >= 2, steps
     assert latest_checkpoint(run.url) == TOTAL_STEPS
     # Output streamed with node prefixes, and kept per node under the run.

@@ -32,7 +32,7 @@ from cluster.bed import Testbed
 from runs import CLI, isolated_env
 
 from dtrain.common.errors import ExitCode
-from dtrain.common.rundir import read_json
+from dtrain.common.rundir import checkpoints, read_json
 from dtrain.common.storage import open_store
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -138,7 +138,8 @@ def bed(tmp_path_factory: pytest.TempPathFactory, train_image: str, registry: st
 def env_of(bed: dict, **extra: str) -> dict[str, str]:
     cwd = bed["cwd"]
     return isolated_env(cwd, STORAGE_EMULATOR_HOST=bed["emulator"], XDG_CONFIG_HOME=str(cwd / "config"),
-                        XDG_CACHE_HOME=str(cwd / "xdg-cache"), COLUMNS="200", **extra)  # fmt: skip
+                        XDG_CACHE_HOME=str(cwd / "xdg-cache"), COLUMNS="200",
+                        **{"DTRAIN_INTERNAL_MIRROR_INTERVAL_S": "0.5", **extra})  # fmt: skip
 
 
 def bucket(emulator: str) -> str:
@@ -220,17 +221,19 @@ def test_two_hosts_train_in_the_pulled_image(bed: dict) -> None:
     result = status["result"]
     assert result["world_size"] == 2 and result["steps"] == STEPS and result["accuracy"] >= 0.80, result
     assert len(status["peers"]) == 2, status["peers"]
-    steps = sorted({int(f.split("/")[1].split("-")[1]) for f in run.list("checkpoints") if f.endswith("/meta.json")})
+    steps = sorted({int(f.split("/")[0].split("-")[1]) for f in checkpoints(run).list("") if f.endswith("/meta.json")})
     assert STEPS in steps and len(steps) >= 2, steps
     for log in run.list("logs"):
         assert SECRET not in run.read_bytes(log).decode(errors="replace")
     # h1 never had the image: it was pulled from the registry. Nothing is left running or stopped.
     assert bed["docker"].run(bed["tb"].hosts[1], "image", "inspect", bed["image"]).returncode == 0
     assert no_containers_within(bed, 5) == {"h0": [], "h1": []}
-    # Only the node agent was copied to the nodes: the workload code came from the image.
+    # As for a user's program in an image: dtrain's node-side code went to the run (the agent inside, the mirror,
+    # the built-in's module, the launcher's own version), and the image gave the libraries (torch) and Python.
     code = bed["tb"].hosts[0].workdir / "runs" / run_id / "code"
-    files = sorted(str(f.relative_to(code)) for f in code.rglob("*.py"))
-    assert files == ["dtrain/common/__init__.py", "dtrain/common/nodeagent.py"], files
+    files = {str(f.relative_to(code)) for f in code.rglob("*.py")}
+    assert {"dtrain/common/nodeagent.py", "dtrain/common/mirror.py", "dtrain/mnist/train.py"} <= files, files
+    assert "dtrain/control/launch.py" not in files and "dtrain/cli/main.py" not in files, files
 
 
 def test_ctrl_c_leaves_no_container(bed: dict) -> None:

@@ -18,10 +18,10 @@ jobs (Kubernetes, say) is one new module here with `LAUNCHER`, and one line in R
 
 The built-in examples (dtrain mnist, lora) are Plans like any user's program: a module run under torchrun
 (their `Builtin.module`) with their own flags, its run placed as a program's (`Plan.target`); nothing here
-names them. On this machine they run exactly as a user's script does (userjob.run_program_here: the same
-contract, their checkpoints in $DTRAIN_CHECKPOINT_DIR). The ssh and slurm launchers still start them through
-their own functions (`Plan.builtin`: remote.launch_cluster, slurm.jobs.run_job), which write the checkpoints
-into the run itself; moving those two onto the program path is what is left of it.
+names them. Here and over SSH they run exactly as a user's script does (userjob.run_program_here,
+remote_program.launch_program_cluster: the same contract, their checkpoints in $DTRAIN_CHECKPOINT_DIR). The
+slurm launcher still starts them through its own function (`Plan.builtin`: slurm.jobs.run_job), which writes
+the checkpoints into the run itself; moving it onto the program path is what is left of it.
 """
 
 from __future__ import annotations
@@ -57,8 +57,11 @@ class Plan:
     tty: bool = False  # the caller's output is a terminal (a built-in draws a live bar)
     debug: bool = False
     grace_s: float = STOP_GRACE_S
-    # A built-in's own resolution (its LaunchRequest and launch.Resolved), for the ssh and slurm launchers' own
-    # built-in path (see the module docstring); this machine's launcher does not read it.
+    # Node paths the program's arguments name (a built-in's --data-dir, a folder --output), mounted at the same
+    # place in container mode: (path, "ro" | "rw").
+    mounts: tuple[tuple[str, str], ...] = ()
+    # A built-in's own resolution (its LaunchRequest and launch.Resolved), for the slurm launcher's own built-in
+    # path (see the module docstring); the other launchers do not read it.
     builtin: Any = None
 
 

@@ -6,7 +6,8 @@ reachable from every worker; sync: dtrain's node-side code to the run, the user'
 dtrain.common.deps); execute: torchrun with a c10d rendezvous on the master, or the command once per node;
 stop: INT/TERM/KILL down each node's agent, which also creates the stop file; collect: each node's exit
 code and last lines, logs/<node>.log in the run, the last copy of the checkpoint directory.
-(dtrain.control.remote holds the steps a built-in and a user's program share; remote_program the rest.)
+A built-in is started as a user's program is (its module under torchrun, no working directory to sync).
+(dtrain.control.remote holds the node steps; remote_program the launch.)
 """
 
 from __future__ import annotations
@@ -21,33 +22,10 @@ class OverSSH:
     over_ssh = True
 
     def launch(self, plan: Plan, *, events: Events, handle: Handle) -> LaunchResult:
-        if plan.builtin is None:
-            from dtrain.control.remote_program import launch_program_cluster
+        from dtrain.control.remote_program import launch_program_cluster
 
-            code = launch_program_cluster(plan, events=events, handle=handle)
-            return LaunchResult(plan.job.name, plan.target.run_id, plan.target.run.url, code, plan.cluster.name)
-        from dtrain.control.remote import launch_cluster
-
-        _req, r = plan.builtin
-        workload = plan.job.builtin
-        code, run, run_id = launch_cluster(
-            workload,
-            r.settings.explicit(workload),
-            module=plan.job.program.target,
-            cluster=plan.cluster,
-            nproc=plan.nproc,
-            max_restarts=plan.max_restarts,
-            hang_timeout=plan.hang_timeout,
-            output=r.output,
-            resumed=r.resumed,
-            accept_new_host_keys=plan.accept_new_host_keys,
-            events=events,
-            handle=handle,
-            image=plan.image,
-            oversubscribe=plan.oversubscribe,
-            debug=plan.debug,
-        )
-        return LaunchResult(workload, run_id, run.url, code, plan.cluster.name)
+        code = launch_program_cluster(plan, events=events, handle=handle)
+        return LaunchResult(plan.job.name, plan.target.run_id, plan.target.run.url, code, plan.cluster.name)
 
 
 LAUNCHER = OverSSH()
