@@ -59,7 +59,7 @@ def resolve(req: LaunchRequest) -> Resolved:
     """Resolve the settings, the cluster (its backend) and the output, locate a --resume run and put its
     saved config beneath the file, environment and flags, and validate the workload's whole config."""
     from dtrain.common.rundir import locate, read_json
-    from dtrain.control import backends
+    from dtrain.control import backends, launchers
     from dtrain.control.settings import get_cluster, load_settings, run_output
 
     workload = req.workload
@@ -67,12 +67,8 @@ def resolve(req: LaunchRequest) -> Resolved:
     cfg = get_cluster(settings)
     cluster = backends.get(cfg.backend).cluster(cfg)
     output = run_output(settings, cluster)  # a gcp cluster's runs go to its bucket
-    if cluster.needs_image and not (req.image or cluster.image):
-        raise UserError(
-            f"cluster {cluster.name!r} has no training image: run dtrain build --cluster {cluster.name} (it "
-            f'builds and pushes to the cluster\'s registry), or set image = "..." in [clusters.{cluster.name}], '
-            "or pass --image"
-        )
+    # The same refusals and container mode as a user's program's (--image, --time, a cluster that needs an image).
+    cluster = launchers.job_cluster(cluster, image=req.image, time=req.time)
     resumed = None
     if settings.run.resume:
         # The run's own config sits beneath the file, environment and flags.
@@ -92,22 +88,11 @@ def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResul
     from dtrain.common.config import to_argv
     from dtrain.control import launchers
     from dtrain.control.program import MODULE, Job, Program
+    from dtrain.control.remote import node_paths
     from dtrain.control.settings import builtin
 
-    r = resolve(req)
-    if req.time and r.cluster.slurm is None:
-        from dtrain.control import launchers
-
-        where = f"cluster {r.cluster.name}" if launchers.over_ssh(r.cluster) else "this machine"
-        raise UserError(f"--time is a Slurm job's time limit: {where} has no Slurm")
-    from dtrain.control.remote import node_paths
-
+    r = resolve(req)  # the cluster as the job sees it (launchers.job_cluster)
     target, args = builtin_target(req.workload, r)
-    cluster = r.cluster
-    if req.image:  # container mode: the cluster's image for this job, as for a program (userjob.program_plan)
-        from dtrain.control.cluster import check_image
-
-        cluster = dataclasses.replace(cluster, image=check_image(req.image, "--image"))
     job = Job(
         name=req.workload,
         program=Program(kind=MODULE, target=builtin(req.workload).module, args=tuple(to_argv(args))),
@@ -116,7 +101,7 @@ def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResul
     plan = launchers.Plan(
         job=job,
         target=target,
-        cluster=cluster,
+        cluster=r.cluster,
         nproc=r.settings.launch.nproc,
         max_restarts=r.settings.launch.max_restarts,
         hang_timeout=r.settings.launch.hang_timeout_s,

@@ -218,18 +218,8 @@ def program_plan(req: ProgramRequest) -> Any:
     settings = load_settings(req.config_path, req.flags)
     cfg = get_cluster(settings)
     cluster = backends.get(cfg.backend).cluster(cfg)
-    if req.image:  # container mode on every launcher that has nodes (here.py refuses it)
-        from dtrain.control.cluster import check_image
-
-        cluster = dataclasses.replace(cluster, image=check_image(req.image, "--image"))
-    if job.time and cluster.slurm is None:  # as for a built-in (dtrain.control.launch)
-        where = f"cluster {cluster.name}" if launchers.over_ssh(cluster) else "this machine"
-        raise UserError(f"--time is a Slurm job's time limit: {where} has no Slurm")
-    if cluster.needs_image and not cluster.image:
-        raise UserError(
-            f"cluster {cluster.name!r} runs jobs in a container image and has none: run dtrain build --cluster "
-            f'{cluster.name}, or set image = "..." in [clusters.{cluster.name}], or pass --image'
-        )
+    # container mode on every launcher that has nodes (here.py refuses it); --time; an image where one is needed
+    cluster = launchers.job_cluster(cluster, image=req.image, time=job.time)
     output = run_output(settings, cluster)
     # A Slurm cluster's nodes are Slurm's to pick from its partition (which is checked there).
     if job.nodes and cluster.slurm is None:

@@ -122,7 +122,10 @@ def test_training_on_a_gcp_cluster_without_an_image_says_how_to_get_one(config_h
         tmp_path, "train", "mnist", "--cluster", "demo", env=isolated_env(tmp_path, XDG_CONFIG_HOME=str(config_home))
     )
     assert r.code == 2
-    assert "cluster 'demo' has no training image: run dtrain build --cluster demo" in r.error_line()
+    # The same line as for a user's program (launchers.job_cluster)
+    assert "cluster 'demo' runs jobs in a container image and has none: run dtrain build --cluster demo" in (
+        r.error_line()
+    )
 
 
 def test_gcp_cluster_table_rejects_hosts_keys(config_home, tmp_path, monkeypatch):

@@ -87,6 +87,27 @@ def get(name: str) -> Launcher:
     return importlib.import_module(REGISTRY[name]).LAUNCHER
 
 
+def job_cluster(cluster: Cluster, *, image: str = "", time: str = "") -> Cluster:
+    """The cluster as one job sees it, for a built-in and a user's program alike: `image` (--image) becomes
+    its image (container mode); refused in one line are a --time where there is no Slurm and a cluster that
+    runs jobs only in an image and has none."""
+    import dataclasses
+
+    if image:
+        from dtrain.control.cluster import check_image
+
+        cluster = dataclasses.replace(cluster, image=check_image(image, "--image"))
+    if time and cluster.slurm is None:
+        where = f"cluster {cluster.name}" if over_ssh(cluster) else "this machine"
+        raise UserError(f"--time is a Slurm job's time limit: {where} has no Slurm")
+    if cluster.needs_image and not cluster.image:
+        raise UserError(
+            f"cluster {cluster.name!r} runs jobs in a container image and has none: run dtrain build --cluster "
+            f'{cluster.name}, or set image = "..." in [clusters.{cluster.name}], or pass --image'
+        )
+    return cluster
+
+
 def over_ssh(cluster: Cluster) -> bool:
     """Whether `cluster`'s nodes are reached over SSH (not this machine's own processes)."""
     return get(cluster.launcher).over_ssh
