@@ -22,8 +22,8 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from dtrain.common.errors import UserError
-from dtrain.common.storage import Store, is_remote, open_store
+from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.storage import DiskFull, Store, is_remote, open_store
 
 STEP_RE = re.compile(r"^step-(\d{8})$")
 META_FILE = "meta.json"
@@ -57,6 +57,17 @@ def locate(output: str, ref: str) -> Store:
     raise UserError(
         f"no run {ref!r} found (looked in {', '.join(candidates)}): "
         "`dtrain runs` lists runs, or pass the run's directory"
+    )
+
+
+def run_disk_full(e: DiskFull, run_id: str, *, resumed: bool) -> UserError:
+    """A full disk while writing a run's own files (config.json, status.json) at its start: one line; writes
+    replace files whole, so what was there is intact."""
+    then = f"resume again (--resume {run_id})" if resumed else "start again"
+    return UserError(
+        f"disk full: writing {e.path} needed {e.needed:,} bytes, {e.free:,} were free; the run's files are as "
+        f"they were: free space and {then}",
+        exit_code=ExitCode.FAILURE,
     )
 
 

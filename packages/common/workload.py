@@ -36,6 +36,7 @@ from dtrain.common.rundir import (
     locate,
     new_run_id,
     read_json,
+    run_disk_full,
     run_location,
     write_json,
 )
@@ -205,15 +206,8 @@ def _open_run(workload: str, cfg: Any, d: Dist, resumed: Store | None) -> tuple[
         try:
             write_json(run, "config.json", record)
             write_json(run, "status.json", status)
-        except DiskFull as e:
-            # One line, as a checkpoint save that fills the disk gives (writes replace files whole:
-            # what was there is intact).
-            then = f"resume again (--resume {run_id})" if resumed else "start again"
-            raise UserError(
-                f"disk full: writing {e.path} needed {e.needed:,} bytes, {e.free:,} were free; the run's files "
-                f"are as they were: free space and {then}",
-                exit_code=ExitCode.FAILURE,
-            ) from None
+        except DiskFull as e:  # one line, as a checkpoint save that fills the disk gives
+            raise run_disk_full(e, run_id, resumed=resumed is not None) from None
 
     _on_main_then_share(d, prepare)
     return run, run_id, resumed is not None

@@ -30,8 +30,8 @@ from typing import Any
 from dtrain.common import jobenv
 from dtrain.common.errors import ExitCode, UserError, stopped_as_asked
 from dtrain.common.procs import dies_with_parent
-from dtrain.common.rundir import read_json, write_json
-from dtrain.common.storage import Store, is_remote
+from dtrain.common.rundir import read_json, run_disk_full, write_json
+from dtrain.common.storage import DiskFull, Store, is_remote
 from dtrain.control.events import Events, Handle, Stop
 from dtrain.control.launch import LaunchResult
 from dtrain.control.program import Job, check_program, run_prefix
@@ -108,10 +108,17 @@ def record_start(
 ) -> dict[str, Any] | None:
     """config.json for a new run (a resumed one keeps its own; a built-in writes its own, with its whole resolved
     config), and status.json: running, on `hosts`. Returns the status.json it replaced (None: there was none)."""
-    if not t.resumed and not job.builtin:
-        write_json(t.run, "config.json", program_config(t, job, cluster=cluster, nodes=nodes, nproc=nproc))
-    before = read_json(t.run, "status.json")
-    prev = before or {}
+    try:
+        if not t.resumed and not job.builtin:
+            write_json(t.run, "config.json", program_config(t, job, cluster=cluster, nodes=nodes, nproc=nproc))
+        before = read_json(t.run, "status.json")
+        _write_start(t, before or {}, hosts)
+    except DiskFull as e:  # one line, and the run's files as they were
+        raise run_disk_full(e, t.run_id, resumed=t.resumed) from None
+    return before
+
+
+def _write_start(t: Target, prev: dict[str, Any], hosts: tuple[str, ...]) -> None:
     write_json(
         t.run,
         "status.json",
@@ -125,7 +132,6 @@ def record_start(
             "peers": [{"host": h} for h in hosts or (os.uname().nodename,)],
         },
     )
-    return before
 
 
 def record_end(t: Target, code: int, error: str = "", before: dict[str, Any] | None = None) -> int:

@@ -1,5 +1,6 @@
-"""A full disk when `--resume` rewrites the run's config.json at the start of a run: one line naming the
-file and the bytes, exit 1, and the run as it was (config.json, status.json and the checkpoints)."""
+"""A full disk when `--resume` rewrites the run's files at the start of a run (the launcher's status.json, as it
+records the start, before the workload's config.json): one line naming the file and the bytes, exit 1, and the
+run as it was (config.json, status.json and the checkpoints)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def test_a_full_disk_when_resume_rewrites_config_json_is_one_line(tmp_path, tmpf
     assert resumed.code == ExitCode.FAILURE, resumed.err
     assert "Traceback" not in resumed.err, resumed.err
     errors = [ln for ln in resumed.err.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: disk full: writing {run / 'config.json'} needed "), (
+    assert len(errors) == 1 and errors[0].startswith(f"error: disk full: writing {run / 'status.json'} needed "), (
         resumed.err
     )
     assert errors[0].endswith(f"the run's files are as they were: free space and resume again (--resume {run.name})")

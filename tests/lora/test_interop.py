@@ -144,7 +144,7 @@ def test_a_run_in_a_bucket_exports_there_and_resumes_from_it(tmp_path, gcs_bucke
     assert "/checkpoints/step-00000004 (step 4)" in r.stdout, r.stdout
     status = json.loads(root.read_bytes(f"{run_id}/status.json"))
     assert status["state"] == "completed" and status["result"]["steps"] == 6
-    assert f"{run_id}/checkpoints/step-00000006/meta.json" in root.list("")
+    assert "step-00000006/meta.json" in runs.bucket_checkpoints(out, run_id)
 
     # The bucket's adapter is the resumed run's: fetched as is, it gives the eval loss of step 6.
     local = tmp_path / "adapter"
