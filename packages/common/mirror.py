@@ -417,12 +417,18 @@ class MirrorView:
 
     def __init__(self, store: Store, files: dict[str, dict[str, Any]] | None = None, prefix: str = "") -> None:
         self.store = store
-        self.files = files if files is not None else _union(_Chooser(store, _quiet).choose(), _quiet)
+        self._files = files  # read on first use: the manifests, and each blob's size
         self.prefix = prefix
         self.url = store.url.rstrip("/") + (f" (copies of {prefix.rstrip('/')})" if prefix else "")
 
     def __repr__(self) -> str:
         return f"MirrorView({self.store.url!r}, {self.prefix!r})"
+
+    @property
+    def files(self) -> dict[str, dict[str, Any]]:
+        if self._files is None:
+            self._files = _union(_Chooser(self.store, _quiet).choose(), _quiet)
+        return self._files
 
     def child(self, rel: str) -> MirrorView:
         return MirrorView(self.store, self.files, f"{self.prefix}{rel.strip('/')}/")

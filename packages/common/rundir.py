@@ -97,11 +97,13 @@ def write_json(store: Store, name: str, obj: dict[str, Any]) -> None:
 def checkpoints(run: Store) -> Store:
     """The run's checkpoint directory, to read: `checkpoints/` where the job wrote it in place, else the
     newest complete copies of the nodes' local directories under `ckpt/` (a mirror.MirrorView), else the
-    (empty) `checkpoints/`."""
+    (empty) `checkpoints/`. A user's program's copies are its own files, in no layout of dtrain's: not read."""
     here = run.child(CHECKPOINTS)
     if here.list(""):
         return here
     copies = run.child(CKPT_PREFIX)
+    if (read_json(run, "config.json") or {}).get("kind") == "program":
+        return here
     if any(n.startswith("node-") for n in copies.list("")):
         from dtrain.common.mirror import MirrorView
 

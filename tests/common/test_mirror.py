@@ -423,6 +423,9 @@ def test_the_view_reads_the_newest_complete_copies_in_place_as_restore_would_put
     with pytest.raises(ValueError, match="does not hold the bytes its name says"):
         checkpoints(run).read_bytes("step-00000002/state.pt")
 
+    # A user's program's copies are its own files (no step layout of dtrain's): not read as checkpoints.
+    run.write_bytes("config.json", b'{"kind": "program"}')
+    assert checkpoints(run).list("") == []
     (tmp_path / "run" / "checkpoints").mkdir()
     (tmp_path / "run" / "checkpoints" / "LATEST").write_bytes(b"step-00000009")
     assert checkpoints(run).read_bytes("LATEST") == b"step-00000009"  # written in place: read there
