@@ -149,7 +149,8 @@ def next_step(result: LaunchResult, resume_hint: str = "") -> str:
         how = {ExitCode.PREEMPTED: "stopped", ExitCode.INTERRUPTED: "interrupted"}.get(result.exit_code, "failed")
         return f"run {r} {how} (exit {result.exit_code}): `{resume_hint}` continues it from its checkpoint directory"
     if result.exit_code == ExitCode.OK:
-        return f"run {r} completed: {result.url} (config.json, metrics.jsonl, checkpoints/, final/)"
+        # its checkpoints: checkpoints/ where they were written in place, ckpt/ where they were copied there
+        return f"run {r} completed: {result.url} (config.json, metrics.jsonl, its checkpoints, final/)"
     if result.exit_code == ExitCode.PREEMPTED:
         return f"run {r} stopped after a checkpoint: resume with `dtrain train {w} --resume {r}`"
     if result.exit_code == ExitCode.INTERRUPTED:
