@@ -28,6 +28,7 @@ PROGRESS_PREFIX = "\x02dtrain-progress "
 PROGRESS_EVERY_S = 0.5
 # A run in a bucket: its new metrics lines (and TensorBoard files) go up at least this often.
 FLUSH_EVERY_S = 10.0
+TB_CLOSE_S = 10.0  # the most the run waits for TensorBoard's writer to close (close())
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
 
@@ -199,7 +200,16 @@ class Reporter:
             self._progress.stop()
             self._progress = None
         if self._tb is not None:
-            self._tb.close()
+            # TensorBoard's writer joins its own thread on close, and that join has been seen to wait forever
+            # after a Ctrl-C reached the process mid-close (tests/dashboard/test_pages.py, in CI: the rank then
+            # made no progress until the hang watch stopped it). Its event files are a copy of metrics.jsonl:
+            # bounded, so a stuck writer costs its last events, never the run's end.
+            closer = threading.Thread(target=self._tb.close, name="tensorboard-close", daemon=True)
+            closer.start()
+            closer.join(TB_CLOSE_S)
+            if closer.is_alive():
+                self.info(f"tensorboard: its writer did not close within {TB_CLOSE_S:.0f} s; its last events may be "
+                          "missing (metrics.jsonl has them all)")  # fmt: skip
         self.flush()
 
 

@@ -203,6 +203,12 @@ def _open_run(workload: str, cfg: Any, d: Dist, resumed: Store | None) -> tuple[
         peers = [dataclasses.asdict(p) for p in d.peers] or [{"rank": 0, "host": d.env.hostname, "pid": os.getpid()}]
         status = {"state": "running", "exit_code": None, "updated": time.time(), "pid": os.getpid(),
                   "host": d.env.hostname, "peers": peers}  # fmt: skip
+        if _launched(run):
+            # dtrain's launcher recorded the start (its pid and host: the process that records the end, which
+            # `dtrain runs` checks is alive; the starts so far) and keeps what this adds.
+            before = read_json(run, "status.json") or {}
+            status = {**{k: v for k, v in before.items() if k not in ("exit_code", "error")}, **status,
+                      **{k: before[k] for k in ("pid", "host") if before.get(k)}}  # fmt: skip
         try:
             write_json(run, "config.json", record)
             write_json(run, "status.json", status)
@@ -213,9 +219,14 @@ def _open_run(workload: str, cfg: Any, d: Dist, resumed: Store | None) -> tuple[
     return run, run_id, resumed is not None
 
 
+def _launched(run: Store) -> bool:
+    """dtrain's launcher started this job for this run (it gave the job dtrain's variables: dtrain.common.jobenv)."""
+    return os.environ.get(jobenv.RUN_URL, "").rstrip("/") == run.url.rstrip("/")
+
+
 def _relaunched(run: Store) -> bool:
     """dtrain's launcher started this run's job again (after a failure on a node: DTRAIN_RESTART_COUNT)."""
-    if os.environ.get(jobenv.RUN_URL, "").rstrip("/") != run.url.rstrip("/"):
+    if not _launched(run):
         return False
     try:
         return int(os.environ.get(jobenv.RESTART_COUNT) or 0) > 0
@@ -282,7 +293,7 @@ def checkpoint_store(run: Store) -> Store:
     already there (one a previous dtrain wrote in place): it goes on where they are."""
     given = os.environ.get(jobenv.CHECKPOINT_DIR)
     in_place = run.child(CHECKPOINTS)
-    if given and os.environ.get(jobenv.RUN_URL, "").rstrip("/") == run.url.rstrip("/"):
+    if given and _launched(run):
         store = open_store(given)
         if store.url.rstrip("/") == in_place.url.rstrip("/") or store.list("") or not in_place.list(""):
             return store

@@ -112,3 +112,39 @@ def test_sigkill_during_startup_leaves_no_process_of_the_run(tmp_path, tiny_data
         proc.wait()
         for line in _processes_of(run_id):
             os.kill(int(line.split()[0]), signal.SIGKILL)
+
+
+def test_a_running_runs_status_names_the_launcher_that_records_its_end(tmp_path, tiny_data):
+    """The built-in runs under the same launcher as a user's program, which records the start and the end: while
+    it trains, status.json's pid is the launcher's (the process `dtrain runs` checks is alive: a rank that died
+    before the launcher recorded the end is no "stopped" run), its ranks are the peers, and its start is counted.
+    After a Ctrl-C the run says interrupted, and `dtrain runs` agrees."""
+    import json
+
+    args = ["train", "mnist", "--nproc", "1", "--data-dir", str(tiny_data), "--epochs", "50", "--run-id", "mnist-pid"]
+    proc = subprocess.Popen([*CLI, *args], cwd=tmp_path, env=isolated_env(tmp_path), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    status_file = tmp_path / "runs" / "mnist-pid" / "status.json"
+    try:
+        deadline = time.monotonic() + 120
+        status: dict = {}
+        while not status.get("peers") or status["peers"][0].get("rank") is None:
+            assert proc.poll() is None, f"dtrain exited ({proc.returncode}) before its run was running"
+            assert time.monotonic() < deadline, f"the run never reported its ranks: {status}"
+            time.sleep(0.1)
+            try:
+                status = json.loads(status_file.read_text())
+            except (FileNotFoundError, ValueError):
+                status = {}
+        assert status["state"] == "running" and status["pid"] == proc.pid and status["starts"] == 1, status
+        assert [p["rank"] for p in status["peers"]] == [0] and status["peers"][0]["pid"] != proc.pid, status
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == ExitCode.INTERRUPTED
+    finally:
+        proc.kill()
+        proc.wait()
+    status = json.loads(status_file.read_text())
+    assert status["state"] == "interrupted" and status["exit_code"] == ExitCode.INTERRUPTED, status
+    r = cli(tmp_path, "runs", "--json")
+    assert r.code == 0, r.err
+    assert [(row["run_id"], row["status"]) for row in json.loads(r.out)] == [("mnist-pid", "interrupted")]
