@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.common.errors import ExitCode, UserError, stopped_as_asked
+from dtrain.common.rundir import CKPT_PREFIX
 from dtrain.common.storage import is_remote
 from dtrain.control.cluster import Cluster, Node
 from dtrain.control.events import Events, Handle
@@ -53,7 +54,6 @@ from dtrain.control.remote import (
 )
 from dtrain.control.ssh import SSH
 from dtrain.control.userjob import (
-    CKPT_PREFIX,
     MIRROR_INTERVAL_S,
     Target,
     contract_env,

@@ -30,7 +30,7 @@ from typing import Any
 from dtrain.common import jobenv
 from dtrain.common.errors import ExitCode, UserError, stopped_as_asked
 from dtrain.common.procs import dies_with_parent
-from dtrain.common.rundir import read_json, run_disk_full, write_json
+from dtrain.common.rundir import CHECKPOINTS, CKPT_PREFIX, read_json, run_disk_full, write_json
 from dtrain.common.storage import DiskFull, Store, is_remote
 from dtrain.control.events import Events, Handle, Stop
 from dtrain.control.launch import LaunchResult
@@ -47,7 +47,6 @@ def _grace_s() -> float:
 
 
 POLL_S = 0.2
-CKPT_PREFIX = "ckpt"  # the run's copies of the checkpoint directory (dtrain.common.mirror's layout)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -291,7 +290,8 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
     if job.checkpoint_dir:
         ckpt = workdir / job.checkpoint_dir
     else:
-        ckpt = Path(t.run.url) / "checkpoints" if local_run else node_dir / "checkpoints"
+        # a local run's own checkpoints/ (where a built-in reads them in place), else a folder of this machine's
+        ckpt = Path(t.run.url) / CHECKPOINTS if local_run else node_dir / CHECKPOINTS
     ckpt.mkdir(parents=True, exist_ok=True)
     mirror = None
     job_pids: list[int] = []  # the job's process tree, as supervise last saw it

@@ -663,7 +663,7 @@ def _checkpoint(s: Session, rec: JobRecord) -> str:
 
 def _checkpoint_copy(s: Session, rec: JobRecord) -> str:
     """A program run's newest checkpoint-directory copy (the copy a --resume or requeue restores), "" if none."""
-    from dtrain.control.userjob import CKPT_PREFIX
+    from dtrain.common.rundir import CKPT_PREFIX
 
     names: list[str] = []
     with contextlib.suppress(Exception):
