@@ -99,6 +99,23 @@ def bucket_checkpoints(out: str, run_id: str) -> list[str]:
     return checkpoints(run).list("")
 
 
+def read_until_copied(proc: subprocess.Popen, step: int, timeout: float = 300) -> str:
+    """The launcher's output up to the first line saying node 0's checkpoint mirror saved a copy, after the
+    ddp project's `step <step+3>` line (its checkpoint of `step` was written three steps before, and a scan
+    takes milliseconds, so that copy holds it). What the tests kill the launcher after: a kill at a fixed
+    step would race the mirror's settle rule (a file is copied once two scans see it unchanged)."""
+    seen, after = "", False
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, seen
+        seen += line
+        after = after or f"step {step + 3} " in line
+        if after and "checkpoint mirror: node 0 saved" in line:
+            return seen
+    raise AssertionError(f"no copy of the step-{step} checkpoint within {timeout:g}s:\n{seen}")
+
+
 def only_run_in_bucket(out: str, cwd: Path, expected: tuple[str, ...]) -> str:
     """The id of the one run under the gs:// prefix `out`, after checking it holds `expected` and that
     nothing went to the local disk."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from projects import make_ddp_project, write_wheel
-from runs import CLI
+from runs import CLI, read_until_copied
 
 from dtrain.common.errors import ExitCode
 
@@ -125,13 +125,7 @@ def test_a_torchrun_script_killed_mid_run_resumes_from_its_own_checkpoint(cwd: P
     expected = final_weights(whole.stdout)
 
     proc = start(cwd, emulator, *base, "--", *args)
-    seen = ""
-    deadline = time.monotonic() + 240
-    while "step 35 " not in seen and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, seen
-        seen += line
-    assert "step 35 " in seen, seen
+    seen = read_until_copied(proc, 30, timeout=240)
     rid = run_of(seen)
     proc.send_signal(signal.SIGKILL)  # the launcher dies: the agents stop the job and copy its last checkpoint
     proc.wait()

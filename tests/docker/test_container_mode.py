@@ -29,7 +29,7 @@ from pathlib import Path
 import imagetest as d
 import pytest
 from cluster.bed import Testbed
-from runs import CLI, isolated_env
+from runs import CLI, isolated_env, read_until_copied
 
 from dtrain.common.errors import ExitCode
 from dtrain.common.rundir import checkpoints, read_json
@@ -372,14 +372,8 @@ def test_a_users_script_in_the_image_killed_mid_run_resumes_from_its_own_checkpo
 
     p = subprocess.Popen([*CLI, *base, "--", *args], cwd=project, env=env_of(bed, **FAST), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
-    seen = ""
     try:
-        deadline = time.monotonic() + 300
-        while "step 35 " not in seen and time.monotonic() < deadline:
-            line = p.stdout.readline()
-            assert line or p.poll() is None, seen
-            seen += line
-        assert "step 35 " in seen, seen
+        seen = read_until_copied(p, 30)
         os.killpg(p.pid, signal.SIGKILL)  # the CLI and its ssh clients, as when the machine goes away
         p.wait(timeout=30)
         left = no_containers_within(bed, 90)
