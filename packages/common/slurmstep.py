@@ -37,12 +37,13 @@ interface that holds this node's address). Slurm signals every process of the st
 the job's exit code. Each output line goes to `logs/<node>.log` in the job directory, stamped, and to
 the step's stdout (the job's output file). The last line is a result for the batch step.
 
-A user's own program (job.json's `program` table, dtrain.control.slurm.programs) runs through the same
-steps. The batch step also records its run (config.json on the first start, status.json on every start
-and end) and, on a job directory the nodes share, puts its checkpoint directory back once before a resumed
-start; each node's step installs the project's requirements (dtrain.common.deps), fills in its own part of
-the spec (program_spec), and on SIGTERM or SIGINT from Slurm creates the stop file and has the agent kill
-what is left of the program after the grace period.
+A training job (job.json's `program` table, dtrain.control.slurm.programs: a user's program, or a built-in
+as one) runs through the same steps. The batch step also records its run (a program's config.json on the
+first start, a built-in writing its own; status.json on every start and end) and, on a job directory the
+nodes share, puts its checkpoint directory back once before a resumed start; each node's step installs the
+project's requirements (dtrain.common.deps; a built-in has none), fills in its own part of the spec
+(program_spec: DTRAIN_RESTART_COUNT, by which a requeued job continues its run), and on SIGTERM or SIGINT
+from Slurm creates the stop file and has the agent kill what is left of the program after the grace period.
 """
 
 from __future__ import annotations
@@ -244,6 +245,26 @@ def exists(url: str) -> bool:
     return open_store(url).exists("config.json")
 
 
+def run_completed(job: dict[str, Any]) -> bool:
+    """Whether the job's run recorded its own completion (a built-in's status.json says completed): a stop that
+    reached it after that (its teardown: the last checkpoint copy) is no preemption, and there is nothing to
+    continue (each node's step then reports exit 0). Asked as run_exists asks; False where it cannot be read."""
+    try:
+        if job.get("image"):
+            return in_image(job, ["completed", job["run_url"]], capture=True).returncode == 0
+        with _environ(job_env(job)):
+            return completed(job["run_url"])
+    except Exception:  # noqa: BLE001 - unreadable: the exit code stands
+        return False
+
+
+def completed(url: str) -> bool:
+    from dtrain.common.rundir import read_json
+    from dtrain.common.storage import open_store
+
+    return (read_json(open_store(url), "status.json") or {}).get("state") == "completed"
+
+
 def _run_exists_in_image(job: dict[str, Any]) -> bool:
     """Container mode: the node has no storage libraries; ask the image (it has this module)."""
     p = in_image(job, ["exists", job["run_url"]], capture=True)
@@ -392,6 +413,7 @@ def batch(jobfile: str) -> int:
     code = job_code(codes) if not lost and len(codes) >= len(nodes) else EXIT_FAILURE
     if watch.hang is not None and not lost:
         code = EXIT_HUNG  # whatever the other nodes' steps made of their stop
+
     print(f"{stamp()} dtrain: job ended with exit code {code} (nodes: {codes})", flush=True)
     if watch.hang is not None and not lost:
         return hang_end(job, watch.hang, signalled=signalled.is_set())
@@ -671,11 +693,12 @@ def _kill_steps(job: dict[str, Any]) -> None:
 
 
 def program_started(job: dict[str, Any], *, restarts: int, nodes: list[str], resume: bool) -> None:
-    """A user's program (job["program"]): its run is dtrain's to record, as the SSH launcher does
-    (dtrain.control.userjob.record_start). On its first start, config.json (its job, the world size worked out
-    here); on every start, status.json running with the starts so far. Where the job's directory is one
-    shared by its nodes (a user's cluster), so is the checkpoint directory: it is put back here, once, before
-    any node starts (on dtrain's own clusters every node restores its own: dtrain.common.nodeagent.JobFiles)."""
+    """A training job (job["program"]): its run is dtrain's to record, as the SSH launcher does
+    (dtrain.control.userjob.record_start). On a program's first start, config.json (its job, the world size
+    worked out here; a built-in writes its own); on every start, status.json running with the starts so far.
+    Where the job's directory is one shared by its nodes (a user's cluster), so is the checkpoint directory: it
+    is put back here, once, before any node starts (on dtrain's own clusters every node restores its own:
+    dtrain.common.nodeagent.JobFiles)."""
     from dtrain.common.nodeagent import smi_gpus
     from dtrain.common.rundir import read_json, write_json
     from dtrain.common.storage import open_store
@@ -688,7 +711,7 @@ def program_started(job: dict[str, Any], *, restarts: int, nodes: list[str], res
     p = job["program"]
     with _environ(job_env(job)):
         run = open_store(job["run_url"])
-        if not run.exists("config.json"):
+        if p.get("config") is not None and not run.exists("config.json"):  # None: a built-in writes its own
             config = {**p["config"], "created": time.time(), "nodes": len(nodes)}
             if p.get("torchrun"):
                 cpus = int(os.environ.get("SLURM_CPUS_ON_NODE") or os.cpu_count() or 1)
@@ -725,6 +748,8 @@ def program_ended(job: dict[str, Any], code: int, *, requeued: bool) -> None:
     with contextlib.suppress(Exception), _environ(job_env(job)):
         run = open_store(job["run_url"])
         prev = read_json(run, "status.json") or {}
+        if prev.get("state") == "completed" and code == EXIT_PREEMPTED:
+            return  # a built-in recorded its end before a stop came (its teardown): it completed
         body = {**prev, "state": "requeued" if requeued else states.get(code, "failed"), "updated": time.time()}
         if not requeued:
             body["exit_code"] = code
@@ -903,6 +928,9 @@ def node(jobfile: str, mode: str) -> int:
             code = EXIT_INTERRUPTED
         elif program and signal.SIGTERM in got and stopped_as_asked(code):
             code = EXIT_PREEMPTED  # asked to stop, and it did: safe to resume (as dtrain.control.userjob.exit_code)
+        if code == EXIT_PREEMPTED and program and run_completed(job):
+            emit("dtrain: the run had completed when the stop came: nothing to continue")
+            code = EXIT_OK  # a built-in recorded its completion; the stop reached its teardown
         if code == EXIT_PREEMPTED and Path(TIME_LIMIT_MARK).exists():
             # The ranks' own "preempted ... resume with --resume" is not the next step here: say what is.
             emit(TIME_LIMIT_LINE)
@@ -945,7 +973,9 @@ def program_spec(
 
     p = job["program"]
     say = lambda m: emit(f"dtrain: {m}")  # noqa: E731
-    if job.get("image"):  # the image's Python makes the environment, in a container: it sees the image's torch
+    if not p.get("workdir", True):  # a built-in: dtrain's code, the node's Python (in an image, the image's)
+        found = {"python": "python3" if job.get("image") else (p["python"].get(key) or job["python"])}
+    elif job.get("image"):  # the image's Python makes the environment, in a container: it sees the image's torch
         found = deps.ensure_in_image(Path("work"), Path("../../envs"), image=job["image"], docker=_docker(job, key),
                                      setup=p.get("setup", []), node=name, log=say)  # fmt: skip
     else:
@@ -1046,6 +1076,8 @@ def main(argv: list[str] | None = None) -> int:
         return follow(args[1], once=args[2:] == ["--once"])
     if args[:1] == ["exists"] and len(args) == 2:
         return 0 if exists(args[1]) else 1
+    if args[:1] == ["completed"] and len(args) == 2:  # run_completed, in the job's image
+        return 0 if completed(args[1]) else 1
     if args[:1] == ["started"] and len(args) == 5:  # program_started, in the job's image
         program_started(read_job(args[1]), restarts=int(args[2]), nodes=args[3].split(","), resume=args[4] == "1")
         return 0

@@ -85,20 +85,34 @@ def resolve(req: LaunchRequest) -> Resolved:
 def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResult:
     """Resolve the settings and run the built-in to its end, through its cluster's launcher like any program
     (its module under torchrun, with its flags); returns the job's exit code."""
+    from dtrain.control import launchers
+
+    r = resolve(req)  # the cluster as the job sees it (launchers.job_cluster)
+    plan = builtin_plan(req, r)
+    result = launchers.get(r.cluster.launcher).launch(plan, events=events, handle=handle)
+    if getattr(r.settings.workload(req.workload), "show_example", False):
+        # --show-example prints an example and exits before a run directory is made: no run to point at
+        return dataclasses.replace(result, run_id="", url="")
+    return result
+
+
+def builtin_plan(req: LaunchRequest, r: Resolved) -> Any:
+    """A built-in as a launchers.Plan, the shape of a user's program: its module under torchrun with its flags,
+    its run placed as a program's (builtin_target). `dtrain train` and `dtrain submit` both start from it."""
     from dtrain.common.config import to_argv
     from dtrain.control import launchers
     from dtrain.control.program import MODULE, Job, Program
     from dtrain.control.remote import node_paths
     from dtrain.control.settings import builtin
 
-    r = resolve(req)  # the cluster as the job sees it (launchers.job_cluster)
     target, args = builtin_target(req.workload, r)
     job = Job(
         name=req.workload,
         program=Program(kind=MODULE, target=builtin(req.workload).module, args=tuple(to_argv(args))),
         builtin=req.workload,
+        time=req.time,
     )
-    plan = launchers.Plan(
+    return launchers.Plan(
         job=job,
         target=target,
         cluster=r.cluster,
@@ -111,13 +125,7 @@ def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResul
         tty=req.tty,
         debug=req.debug,
         mounts=tuple(sorted(node_paths(args, target.run.url).items())),
-        builtin=(req, r),
     )
-    result = launchers.get(r.cluster.launcher).launch(plan, events=events, handle=handle)
-    if getattr(r.settings.workload(req.workload), "show_example", False):
-        # --show-example prints an example and exits before a run directory is made: no run to point at
-        return dataclasses.replace(result, run_id="", url="")
-    return result
 
 
 def builtin_target(workload: str, r: Resolved) -> tuple[Any, dict[str, Any]]:

@@ -1,6 +1,5 @@
 """What starting a job on this machine needs: the GPUs here (nvidia-smi, no torch), the process count
-(dtrain.common.nproc), torchrun's restart setting, and a built-in's run placed under --output (`run_target`,
-which Slurm's built-in path still uses).
+(dtrain.common.nproc) and torchrun's restart setting.
 
 A job on this machine (a user's program or a built-in, the same way) is started by
 dtrain.control.userjob.run_program_here (dtrain.control.launchers.here): torchrun on localhost in a session of
@@ -13,13 +12,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Mapping
-from typing import Any
 
 from dtrain.common import jobenv
 from dtrain.common.nproc import MAX_PROCS_PER_CORE, auto_nproc, processes  # noqa: F401  # their home: common
-from dtrain.common.rundir import run_location
-from dtrain.common.storage import Store
 
 # torchrun's restarts (--max-restarts) with a fresh rendezvous store each time. By default (torch >= 2.4) the
 # workers of every restart share the agent's one TCPStore, unprefixed: a restarted rank can read its peer's
@@ -45,15 +40,3 @@ def count_gpus() -> int:
     n = sum(1 for line in out.splitlines() if line.startswith("GPU "))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     return min(n, len([v for v in visible.split(",") if v.strip()])) if visible else n
-
-
-def run_target(
-    workload: str, workload_args: Mapping[str, Any], output: str, resumed: Store | None
-) -> tuple[str, Store, dict[str, Any]]:
-    """The run's id and directory, worked out once here and passed down: the workload receives the
-    directory itself (`--run-dir`), and `--resume` when it continues one."""
-    if resumed is not None:
-        run_id = resumed.url.rstrip("/").rsplit("/", 1)[-1]
-        return run_id, resumed, {**workload_args, "output": output, "resume": resumed.url, "run_dir": resumed.url}
-    run_id, run = run_location(workload, output, workload_args.get("run_id") or "")
-    return run_id, run, {**workload_args, "output": output, "run_id": run_id, "run_dir": run.url}

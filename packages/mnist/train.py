@@ -228,6 +228,9 @@ def train(ctx: Context) -> dict[str, Any]:
         if stop:
             raise Preempted()
 
+    if "eval_accuracy" not in metrics:  # resumed at its last step (a finished run): nothing ran to evaluate
+        metrics.update(evaluate(ctx, net, eval_data, norm, cfg.eval_batch_size))
+        best = max(best, metrics["eval_accuracy"])
     final = {
         "dataset": cfg.dataset.value,
         "accuracy": metrics.get("eval_accuracy"),

@@ -221,6 +221,14 @@ def test_sigterm_checkpoints_then_exits_3_and_resumes(tmp_path, reference):
     steps = [m["step"] for m in metrics(run) if "loss" in m]
     assert steps == sorted(set(steps)) == list(range(16, 129, 16)), steps
 
+    # The finished run resumed again (as a Slurm requeue does when a stop reached it after it completed): nothing
+    # is left to train; it evaluates its final weights and completes with the same result.
+    again = dtrain(["train", "mnist", "--resume", run.name, "--output", "runs"], tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    result = json.loads((run / "status.json").read_text())["result"]
+    want = json.loads((reference / "status.json").read_text())["result"]
+    assert (result["steps"], result["accuracy"]) == (128, want["accuracy"]), result
+
 
 def test_sigterm_to_a_single_process_without_torchrun(tmp_path):
     args = [

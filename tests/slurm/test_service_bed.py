@@ -126,7 +126,7 @@ def _preempt(bed: Env, cloud: Cloud, job: str) -> tuple[str, float]:
     row = bed.wait(job, lambda j: j["state"] == "RUNNING", what="RUNNING")
     run = row["url"]
     deadline = time.monotonic() + 300
-    while _latest(run) < 8:
+    while latest(run) < 8:
         assert time.monotonic() < deadline, "no checkpoint at step 8"
         time.sleep(0.2)
     at = time.time()
@@ -140,16 +140,6 @@ def _read(run: str, name: str) -> bytes:
     from dtrain.common.storage import open_store
 
     return open_store(run).read_bytes(name)
-
-
-def _latest(run: str) -> int:
-    if not run.startswith("gs://"):
-        return latest(Path(run))
-    from dtrain.common.checkpoint import find_latest
-    from dtrain.common.storage import open_store
-
-    found = find_latest(open_store(run.rstrip("/") + "/checkpoints"))
-    return found.step if found else 0
 
 
 def _json(run: str, name: str) -> dict:

@@ -53,12 +53,13 @@ def job_processes(env: Env) -> dict[str, list[str]]:
     return out
 
 
-def latest(run: Path) -> int:
-    """The step of the run's last complete checkpoint, 0 before the first."""
-    from dtrain.common.checkpoint import find_latest
+def latest(run: Path | str) -> int:
+    """The step of the run's last complete checkpoint (a folder or a gs:// URL), 0 before the first: read as
+    dtrain reads it (dtrain.common.rundir.checkpoints: the nodes' copies under ckpt/, or checkpoints/ in place)."""
+    from dtrain.common.rundir import checkpoints, find_latest
     from dtrain.common.storage import open_store
 
-    found = find_latest(open_store(str(run / "checkpoints"))) if (run / "checkpoints").exists() else None
+    found = find_latest(checkpoints(open_store(str(run))))
     return found.step if found else 0
 
 

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,13 +90,24 @@ def cluster(tmp_path: Path, *, managed: bool, image: str = "") -> Cluster:
                    env={"NCCL_DEBUG": "WARN"}, known_hosts=tmp_path / "kh")  # fmt: skip
 
 
-def files(c: Cluster) -> script.JobFiles:
-    return script.job_files(
-        c, workload="mnist", run_id="mnist-20260101-000000-abcd", run_url="gs://b/runs/mnist-20260101-000000-abcd",
-        job_dir="/home/u/dtrain/runs/mnist-20260101-000000-abcd", name="lr-3e-3", nodes=2,
-        argv_new=["--run-id", "mnist-20260101-000000-abcd"], argv_resume=["--resume", "gs://b/runs/x"],
-        nproc=0, oversubscribe=False, interactive=False, gpus_per_node=1, paths={}, debug=False,
-    )  # fmt: skip
+RUN_ID = "mnist-20260101-000000-abcd"
+
+
+def files(c: Cluster, *, resumed: bool = False, nodes: int = 2, time: str = "", **plan: Any) -> script.JobFiles:
+    """A built-in's job (as launch.builtin_plan makes it): its module under torchrun with its flags, no working
+    directory, and its run on the cluster's shared filesystem."""
+    from dtrain.common.storage import open_store
+    from dtrain.control import launchers
+    from dtrain.control.program import MODULE, Job, Program
+    from dtrain.control.userjob import Target
+
+    url = f"/shared/runs/{RUN_ID}"
+    args = ("--resume", url, "--run-dir", url) if resumed else ("--run-id", RUN_ID, "--run-dir", url)
+    job = Job(name="mnist", program=Program(kind=MODULE, target="dtrain.mnist.train", args=args), builtin="mnist")
+    t = Target(RUN_ID, open_store(url), 2 if resumed else 0, resumed)
+    p = launchers.Plan(job=job, target=t, cluster=c, nproc=0, **plan)
+    return script.program_files(p, job_dir=f"/home/u/dtrain/runs/{RUN_ID}", name="lr-3e-3", nodes=nodes,
+                                interactive=False, gpus_per_node=1, config=None, time=time)  # fmt: skip
 
 
 def test_batch_script(tmp_path: Path) -> None:
@@ -110,33 +122,72 @@ def test_batch_script(tmp_path: Path) -> None:
     assert text.rstrip().endswith("exec /opt/py/bin/python -m dtrain.common.slurmstep batch job.json")
 
 
+NODE_VALUES = {"__dtrain_master_addr__": "10.0.0.10", "__dtrain_addr__": "10.0.0.11", "__dtrain_is_host__": "0",
+               "__dtrain_nproc__": "1", "__dtrain_threads__": "8", "__dtrain_node__": "n1", "__dtrain_nnodes__": "2",
+               "__dtrain_node_rank__": "1"}  # fmt: skip
+
+
 @pytest.mark.parametrize("image", ["", "registry.example/p/dtrain-train:src-0123456789ab"])
-def test_a_node_fills_in_the_allocation(tmp_path: Path, image: str) -> None:
-    """The spec a node runs, once its placeholders are filled in, is the SSH launcher's torchrun line."""
+def test_a_node_fills_in_the_allocation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, image: str) -> None:
+    """A built-in is a job like a user's script: the spec a node runs, once its placeholders are filled in, is
+    the SSH launcher's torchrun line with the built-in's module and flags; nothing is installed (no working
+    directory), the node's Python runs it (the image's in an image), its checkpoints go to the job's
+    checkpoints/ and are copied to the run, and the batch step writes no config.json (the built-in does)."""
     c = cluster(tmp_path, managed=True, image=image)
-    job = files(c).job
+    job = files(c, resumed=True).job
     assert set(job["specs"]) == {"n0", "n1"}  # dtrain's own cluster: each node as the inventory says
-    values = {"__dtrain_master_addr__": "10.0.0.10", "__dtrain_addr__": "10.0.0.11", "__dtrain_is_host__": "0",
-              "__dtrain_nproc__": "1", "__dtrain_threads__": "8", "__dtrain_node__": "n1",
-              "__dtrain_nnodes__": "2"}  # fmt: skip
-    spec = slurmstep.fill(job["specs"]["n1"], values, job["argv_resume"])
-    # In an image an agent inside the container runs torchrun: its spec travels in the environment.
-    torchrun = json.loads(spec["env"]["DTRAIN_INTERNAL_AGENT_SPEC"])["argv"][3:] if image else spec["argv"][3:]
+    assert job["program"]["workdir"] is False and job["program"]["config"] is None and job["resume"] is True
+    spec = slurmstep.fill(job["specs"]["n1"], NODE_VALUES, [])
     assert "__dtrain" not in json.dumps(spec)
-    assert torchrun[:14] == [
+    assert spec["argv"][:3] == ["/opt/py/bin/python", "-m", "dtrain.common.launch"]
+    assert spec["argv"][3:19] == [
         "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.10:29400",
-        "--rdzv-id", "mnist-20260101-000000-abcd", "--rdzv-conf", "is_host=0,join_timeout=120", "--local-addr",
-        "10.0.0.11",
+        "--rdzv-id", RUN_ID, "--rdzv-conf", "is_host=0,join_timeout=120", "--local-addr", "10.0.0.11",
+        "--max-restarts", "0",
     ]  # fmt: skip
-    assert torchrun[-4:] == ["-m", "dtrain.mnist.train", "--resume", "gs://b/runs/x"]
+    assert spec["argv"][-6:] == ["-m", "dtrain.mnist.train", "--resume", f"/shared/runs/{RUN_ID}", "--run-dir",
+                                 f"/shared/runs/{RUN_ID}"]  # fmt: skip
     assert spec["env"]["OMP_NUM_THREADS"] == "8" and spec["env"]["NCCL_DEBUG"] == "WARN"
     assert spec["ifname_for"] == "10.0.0.11"
-    if image:
-        assert spec["container"]["name"] == "dtrain-mnist-20260101-000000-abcd-n1" and spec["container"]["gpus"]
-    else:
-        assert spec["argv"][:3] == ["/opt/py/bin/python", "-m", "dtrain.common.launch"]
+    monkeypatch.chdir(tmp_path)  # the job's directory on the node: no work/ and nothing to install
+    monkeypatch.setenv(slurmstep.RESTARTS_ENV, "1")
+    lines: list[str] = []
+    node = slurmstep.program_spec(job, spec, key="n1", name="n1", rank=1, resume=True, emit=lines.append)
+    assert lines == [] and not (tmp_path / "work").exists()
+    assert node["argv"][0] == ("python3" if image else "/opt/py/bin/python")
+    assert node["cwd"] == "." and node["files"]["checkpoint_dir"] == "checkpoints"
+    assert node["env"]["DTRAIN_CHECKPOINT_DIR"] == "checkpoints" and node["env"]["DTRAIN_RESTART_COUNT"] == "3"
+    assert node["files"]["mirror"] == {**node["files"]["mirror"], "node": 1, "restore": True,
+                                       "store": f"/shared/runs/{RUN_ID}/ckpt"}  # fmt: skip
     user = files(cluster(tmp_path, managed=False)).job
     assert set(user["specs"]) == {"*"}  # a user's cluster: nodes Slurm picks, one spec for all
+    assert user["resume"] is False and user["specs"]["*"]["argv"][-4:] == ["--run-id", RUN_ID, "--run-dir",
+                                                                          f"/shared/runs/{RUN_ID}"]  # fmt: skip
+
+
+def test_the_batch_step_writes_no_config_for_a_built_in_and_keeps_its_completed_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch step records a built-in's starts and ends in status.json as a program's; config.json is the
+    built-in's own (its resolved config). A stop that reaches a built-in after it recorded its completion (its
+    teardown) leaves the run completed, and the job is not requeued to continue it."""
+    from dtrain.common.rundir import read_json
+    from dtrain.common.storage import open_store
+
+    job = files(cluster(tmp_path, managed=True)).job
+    job["run_url"] = str(tmp_path / "runs" / RUN_ID)
+    run = open_store(job["run_url"])
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    slurmstep.program_started(job, restarts=0, nodes=["n0", "n1"], resume=False)
+    assert not run.exists("config.json")
+    assert read_json(run, "status.json")["state"] == "running" and read_json(run, "status.json")["starts"] == 1
+    assert slurmstep.run_completed(job) is False
+    run.write_bytes("status.json", json.dumps({"state": "completed", "exit_code": 0, "starts": 1}).encode())
+    assert slurmstep.run_completed(job) is True  # a node step then reports its exit 3 as 0: done, not requeued
+    slurmstep.program_ended(job, slurmstep.EXIT_PREEMPTED, requeued=False)
+    assert read_json(run, "status.json")["state"] == "completed"
+    slurmstep.program_ended(job, 1, requeued=False)  # a failure after it is one
+    assert (read_json(run, "status.json")["state"], read_json(run, "status.json")["exit_code"]) == ("failed", 1)
 
 
 def test_a_requeued_batch_step_reads_the_run_with_the_jobs_environment(

@@ -12,16 +12,11 @@ from dtrain.common import slurmstep
 from dtrain.control.slurm import commands, script
 from dtrain.control.slurm.jobs import JobRecord, JobRow
 
-from .test_slurm_files import cluster
+from .test_slurm_files import cluster, files
 
 
 def _files(tmp_path: Path, **kw: object) -> script.JobFiles:
-    c = cluster(tmp_path, managed=False)
-    return script.job_files(
-        c, workload="mnist", run_id="r", run_url="/s/r", job_dir="/w/runs/r", name="r", nodes=1, argv_new=["a"],
-        argv_resume=["b"], nproc=0, oversubscribe=False, interactive=False, gpus_per_node=0, paths={}, debug=False,
-        **kw,
-    )  # fmt: skip
+    return files(cluster(tmp_path, managed=False), nodes=1, **kw)
 
 
 def test_the_hang_timeout_and_the_restarts_reach_the_job(tmp_path: Path) -> None:

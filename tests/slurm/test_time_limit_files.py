@@ -18,7 +18,7 @@ from dtrain.control.slurm import commands, script
 from dtrain.control.slurm.jobs import JobRecord, JobRow, time_limit_state
 from dtrain.control.slurm.spec import check_time, job_options, limit_seconds, warning_lead_s
 
-from .test_slurm_files import cluster
+from .test_slurm_files import cluster, files
 
 
 @pytest.mark.parametrize(
@@ -50,13 +50,9 @@ def test_batch_script_asks_for_the_warning(tmp_path: Path) -> None:
     c = cluster(tmp_path, managed=False)  # its table: time = "1:00:00"
 
     def options(**kw: str) -> list[str]:
-        f = script.job_files(
-            c, workload="mnist", run_id="r", run_url="/s/r", job_dir="/w/runs/r", name="r", nodes=1, argv_new=["a"],
-            argv_resume=["b"], nproc=0, oversubscribe=False, interactive=False, gpus_per_node=0, paths={},
-            debug=False, **kw,
-        )  # fmt: skip
+        f = files(c, nodes=1, **kw)
         assert f.job["max_continuations"] == 20
-        return [ln.removeprefix("#SBATCH ") for ln in f.script.splitlines() if ln.startswith("#SBATCH --")][8:]
+        return [ln.removeprefix("#SBATCH ") for ln in f.script.splitlines() if ln.startswith("#SBATCH --")][8:-1]
 
     assert options() == ["--partition=gpu", "--account=proj", "--time=1:00:00", "--signal=B:USR1@120"]
     assert options(time="2") == ["--partition=gpu", "--account=proj", "--time=2", "--signal=B:USR1@15"]

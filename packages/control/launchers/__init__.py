@@ -18,17 +18,16 @@ jobs (Kubernetes, say) is one new module here with `LAUNCHER`, and one line in R
 
 The built-in examples (dtrain mnist, lora) are Plans like any user's program: a module run under torchrun
 (their `Builtin.module`) with their own flags, its run placed as a program's (`Plan.target`); nothing here
-names them. Here and over SSH they run exactly as a user's script does (userjob.run_program_here,
-remote_program.launch_program_cluster: the same contract, their checkpoints in $DTRAIN_CHECKPOINT_DIR). The
-slurm launcher still starts them through its own function (`Plan.builtin`: slurm.jobs.run_job), which writes
-the checkpoints into the run itself; moving it onto the program path is what is left of it.
+names them. They run exactly as a user's script does on every launcher (userjob.run_program_here,
+remote_program.launch_program_cluster, slurm.programs.run_program: the same contract, their checkpoints in
+$DTRAIN_CHECKPOINT_DIR, copied to the run's ckpt/ where that is not the run's own folder).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from dtrain.common.errors import UserError
 from dtrain.common.jobenv import STOP_GRACE_S
@@ -60,9 +59,6 @@ class Plan:
     # Node paths the program's arguments name (a built-in's --data-dir, a folder --output), mounted at the same
     # place in container mode: (path, "ro" | "rw").
     mounts: tuple[tuple[str, str], ...] = ()
-    # A built-in's own resolution (its LaunchRequest and launch.Resolved), for the slurm launcher's own built-in
-    # path (see the module docstring); the other launchers do not read it.
-    builtin: Any = None
 
 
 class Launcher(Protocol):

@@ -18,14 +18,9 @@ class OnSlurm:
     over_ssh = True  # the login node and the nodes are reached over SSH
 
     def launch(self, plan: Plan, *, events: Events, handle: Handle) -> LaunchResult:
-        if plan.builtin is None:  # a user's program: its code, requirements and checkpoints as a job's own
-            from dtrain.control.slurm.programs import run_program
+        from dtrain.control.slurm.programs import run_program
 
-            return run_program(plan, events=events, handle=handle)
-        from dtrain.control.slurm.jobs import run_job
-
-        req, r = plan.builtin
-        return run_job(req, r, events=events, handle=handle)
+        return run_program(plan, events=events, handle=handle)
 
 
 LAUNCHER = OnSlurm()

@@ -43,7 +43,7 @@ from dtrain.control.slurm.spec import MANAGED_PARTITION, STALL_AFTER_S
 from dtrain.control.ssh import SSH
 
 if TYPE_CHECKING:
-    from dtrain.control.launch import LaunchRequest, LaunchResult, Resolved
+    from dtrain.control.launch import LaunchRequest, LaunchResult
     from dtrain.control.runs import LogLine
 
 JOBS_DIR = "jobs"  # under the login node's workdir: the job table
@@ -241,10 +241,12 @@ class SubmitResult:
 
 
 def submit(req: LaunchRequest, *, nodes: int = 0, name: str = "", events: Events, handle: Handle) -> SubmitResult:
-    """Queue `req`'s workload as a Slurm job on its cluster and return at once with the job id."""
+    """Queue `req`'s built-in as a Slurm job on its cluster and return at once with the job id: the same job as a
+    user's program (launch.builtin_plan, slurm.programs.submit_plan)."""
     from dtrain.control import backends
-    from dtrain.control.launch import resolve
+    from dtrain.control.launch import builtin_plan, resolve
     from dtrain.control.settings import get_cluster
+    from dtrain.control.slurm.programs import submit_plan
 
     r = resolve(req)
     cfg = get_cluster(r.settings)
@@ -252,66 +254,7 @@ def submit(req: LaunchRequest, *, nodes: int = 0, name: str = "", events: Events
     # A provisioning backend's cluster may be stopped (autostop): start it first; its addresses may change.
     if start is not None and start(cfg, events=events, handle=handle):
         r = resolve(req)
-    with Session(r.cluster, accept_new_host_keys=req.accept_new_host_keys) as s:
-        return _submit(s, req, r, nodes=nodes, name=name, interactive=False, events=events)[0]
-
-
-def _submit(
-    s: Session, req: LaunchRequest, r: Resolved, *, nodes: int, name: str, interactive: bool, events: Events
-) -> tuple[SubmitResult, JobRecord]:
-    """Write the job's files where its nodes read them and sbatch it: three SSH round trips (Slurm's view
-    and the workdir; the files, to each node at once; sbatch with the job table's entry)."""
-    from dtrain.common.config import to_argv
-    from dtrain.control.local import processes, run_target
-    from dtrain.control.remote import node_paths
-    from dtrain.control.slurm.script import job_files
-
-    cluster, spec, workload = s.cluster, s.spec, req.workload
-    nodes = nodes or spec.nodes or (len(cluster.nodes) if spec.managed else 1)
-    partition, members = _survey(s, nodes, events)
-    gpus = _gpus(s, members)
-    nproc = r.settings.launch.nproc
-    if nproc:  # checked against the partition's smallest node; auto is worked out on each node
-        cpus = min(n.cpus for n in members)
-        processes(nproc, gpus=gpus, cpus=cpus, oversubscribe=req.oversubscribe, where=f"partition {partition}")
-    run_id, run, args = run_target(workload, r.settings.explicit(workload), r.output, r.resumed)
-    if nodes > 1 and not is_remote(run.url) and not cluster.shared_fs:
-        raise UserError(
-            f"a job on {nodes} nodes needs --output that every node reaches: a gs://bucket/prefix (or set "
-            f"shared_fs = true in [clusters.{cluster.name}] if {r.output} is a shared filesystem)"
-        )
-    if req.image:
-        from dtrain.control.cluster import check_image
-
-        cluster = dataclasses.replace(cluster, image=check_image(req.image, "--image"))
-    resume_args = {**{k: v for k, v in args.items() if k != "run_id"}, "resume": run.url, "run_dir": run.url}
-    job_dir = f"{s.workdir}/runs/{run_id}"
-    name = name or workload
-    files = job_files(
-        cluster,
-        workload=workload,
-        run_id=run_id,
-        run_url=run.url,
-        job_dir=job_dir,
-        name=name,
-        nodes=nodes,
-        argv_new=None if r.resumed is not None else to_argv(args),
-        argv_resume=to_argv(resume_args),
-        nproc=nproc,
-        oversubscribe=req.oversubscribe,
-        interactive=interactive,
-        gpus_per_node=gpus,
-        paths=node_paths(args, run.url),
-        debug=req.debug,
-        time=getattr(req, "time", ""),
-        hang_timeout=r.settings.launch.hang_timeout_s,
-        max_restarts=r.settings.launch.max_restarts,
-    )
-    rec = _queue(s, JobRecord("", name, workload, run_id, run.url, job_dir, nodes, time.time(), cluster.name), files)
-    result = SubmitResult(
-        rec.job_id, name, workload, run_id, run.url, cluster.name, nodes, partition, resuming=r.resumed is not None
-    )
-    return result, rec
+    return submit_plan(builtin_plan(req, r), nodes=nodes, name=name, events=events)
 
 
 def _survey(s: Session, nodes: int, events: Events) -> tuple[str, list[SlurmNode]]:
@@ -646,18 +589,29 @@ def _settle_eval(s: Session, rec: JobRecord) -> None:
         s.slurm.run(f'cd {d} && PYTHONPATH="$PWD/code" {py} -c {args}')
 
 
+# On the login node, with the job's code (its directory there): a built-in's last complete checkpoint, in either
+# layout (written in the run, or copied to its ckpt/ from the nodes): dtrain.common.rundir.checkpoints.
+LATEST_CHECKPOINT = (
+    "import sys; from dtrain.common.storage import open_store; from dtrain.common.rundir import checkpoints, "
+    "find_latest; f = find_latest(checkpoints(open_store(sys.argv[1]))); print(f.name if f else '')"
+)
+
+
 def _checkpoint(s: Session, rec: JobRecord) -> str:
-    """The name of the run's last complete checkpoint (LATEST), read where the run lives; for a user's program,
-    the newest copy of its checkpoint directory (ckpt/node-<n>/<seq>.json, dtrain.common.mirror)."""
+    """The name of a built-in run's last complete checkpoint (step-XXXXXXXX), read where the run lives; for a
+    user's program, the newest copy of its checkpoint directory (ckpt/node-<n>/<seq>.json, dtrain.common.mirror)."""
     if rec.kind == "program":
         return _checkpoint_copy(s, rec)
     with contextlib.suppress(Exception):
         if is_remote(rec.url):
+            from dtrain.common.rundir import checkpoints, find_latest
             from dtrain.common.storage import open_store
 
-            return open_store(rec.url).read_bytes("checkpoints/LATEST").decode().strip()
-        out = s.slurm.run(f"cat {shlex.quote(rec.url + '/checkpoints/LATEST')} 2>/dev/null || true")
-        return out.strip()
+            found = find_latest(checkpoints(open_store(rec.url)))
+            return found.name if found else ""
+        py, d = shlex.quote(s.login.python), shlex.quote(rec.dir)
+        args = " ".join(shlex.quote(a) for a in (LATEST_CHECKPOINT, rec.url))
+        return s.slurm.run(f'cd {d} && PYTHONPATH="$PWD/code" {py} -c {args}').strip()
     return ""
 
 
@@ -898,17 +852,6 @@ def _stop_job(s: Session, rec: JobRecord, stop: Stop, events: Events) -> float:
 # dtrain train through Slurm
 
 
-def run_job(req: LaunchRequest, r: Resolved, *, events: Events, handle: Handle) -> LaunchResult:
-    """`dtrain train --cluster` on a Slurm cluster: the job goes through Slurm's queue (so it never takes
-    GPUs a queued job holds), its output comes here live, Ctrl-C stops it, and its exit code is ours. The
-    job is cancelled if this process goes away (its SSH connection to the login node closes)."""
-
-    with Session(r.cluster, accept_new_host_keys=req.accept_new_host_keys) as s:
-        t0 = time.monotonic()
-        sub, rec = _submit(s, req, r, nodes=0, name=req.workload, interactive=True, events=events)
-        return attend(s, sub, rec, t0, what=req.workload, events=events, handle=handle)
-
-
 def attend(
     s: Session, sub: SubmitResult, rec: JobRecord, t0: float, *, what: str, events: Events, handle: Handle
 ) -> LaunchResult:
@@ -970,7 +913,6 @@ __all__ = [
     "cancel",
     "job_logs",
     "follow_logs",
-    "run_job",
     "attend",
     "Session",
     "JobRecord",

@@ -1,9 +1,11 @@
 """A user's own program as a Slurm job: `dtrain submit train.py ...` (queued: the job id back at once) and
-`dtrain train train.py --cluster <a Slurm cluster>` (through an allocation, followed live). The same batch
-step as a built-in's (dtrain.common.slurmstep), the same node agent, the same contract as over SSH.
+`dtrain train train.py --cluster <a Slurm cluster>` (through an allocation, followed live). A built-in
+(`dtrain submit mnist`) is the same kind of job (launch.builtin_plan): its module under torchrun, dtrain's own
+code and no working directory. One batch step (dtrain.common.slurmstep), one node agent, the SSH contract.
 
     req = ProgramRequest(job=job, flags={"run.cluster": "demo"})
     result = submit_program(req, name="lr-3e-3", events=..., handle=...)   # SubmitResult: the job id
+    result = submit_plan(builtin_plan(req, resolve(req)), events=...)      # a built-in (slurm.jobs.submit)
     result = run_program(plan, events=..., handle=...)                     # launchers.slurm, for `dtrain train`
 
 How the pieces reach the nodes:
@@ -22,7 +24,9 @@ How the pieces reach the nodes:
   complete copy back before a requeued or resumed job starts (dtrain.common.nodeagent.JobFiles); one folder
   for the whole job on a shared workdir, copied by the first node and put back once by the batch step.
 - The run (config.json, status.json with its starts) is recorded by the batch step when the job starts, so a
-  job that never ran leaves no run; DTRAIN_RESTART_COUNT is the starts before this job plus Slurm's requeues.
+  job that never ran leaves no run (a built-in writes its own config.json, which holds its resolved config);
+  DTRAIN_RESTART_COUNT is the starts before this job plus Slurm's requeues, so a requeued built-in continues
+  its run from the checkpoint put back (dtrain.common.workload).
 """
 
 from __future__ import annotations
@@ -49,8 +53,14 @@ def submit_program(req: Any, *, name: str = "", events: Events, handle: Handle) 
     # A provisioning backend's cluster may be stopped (autostop): start it first; its addresses may change.
     if start is not None and start(cfg, events=events, handle=handle):
         plan = program_plan(req)
+    return submit_plan(plan, name=name, events=events)
+
+
+def submit_plan(plan: Any, *, nodes: int = 0, name: str = "", events: Events) -> SubmitResult:
+    """Queue a launchers.Plan (a user's program, or a built-in: launch.builtin_plan) on its Slurm cluster, on
+    `nodes` nodes (0: the job's, else the cluster table's); returns at once with the job id."""
     with Session(plan.cluster, accept_new_host_keys=plan.accept_new_host_keys) as s:
-        return _submit(s, plan, name=name, interactive=False, events=events)[0]
+        return _submit(s, plan, name=name, interactive=False, events=events, nodes=nodes)[0]
 
 
 def run_program(plan: Any, *, events: Events, handle: Handle) -> Any:
@@ -62,17 +72,19 @@ def run_program(plan: Any, *, events: Events, handle: Handle) -> Any:
         return attend(s, sub, rec, t0, what=plan.job.name, events=events, handle=handle)
 
 
-def _submit(s: Session, plan: Any, *, name: str, interactive: bool, events: Events) -> tuple[SubmitResult, JobRecord]:
+def _submit(
+    s: Session, plan: Any, *, name: str, interactive: bool, events: Events, nodes: int = 0
+) -> tuple[SubmitResult, JobRecord]:
     """Check the job against Slurm's partition, ship dtrain's node code and the job's files, sync the working
-    directory, sbatch: four SSH round trips (the survey; the files; the sync, to each host at once; sbatch)."""
+    directory, sbatch: four SSH round trips (the survey; the files; the sync, to each host at once; sbatch). A
+    built-in has no working directory (its code is dtrain's, in the job's files) and writes its own config.json."""
     from dtrain.common.nproc import processes
     from dtrain.control.remote_program import sync_excludes, sync_workdir
     from dtrain.control.slurm.script import program_files
     from dtrain.control.userjob import program_config
 
     job, t, cluster, spec = plan.job, plan.target, s.cluster, s.spec
-    assert job.workdir is not None and t is not None
-    nodes = job.nodes or spec.nodes or (len(cluster.nodes) if spec.managed else 1)
+    nodes = nodes or job.nodes or spec.nodes or (len(cluster.nodes) if spec.managed else 1)
     partition, members = _survey(s, nodes, events)
     gpus = _gpus(s, members)
     if plan.nproc and job.program.under_torchrun:  # checked against the partition's smallest node
@@ -85,7 +97,7 @@ def _submit(s: Session, plan: Any, *, name: str, interactive: bool, events: Even
         )
     name = name or job.name
     job_dir = f"{s.workdir}/runs/{t.run_id}"
-    config = program_config(t, job, cluster=cluster.name, nodes=nodes, nproc=None)
+    config = None if job.builtin else program_config(t, job, cluster=cluster.name, nodes=nodes, nproc=None)
     files = program_files(
         plan,
         job_dir=job_dir,
@@ -96,14 +108,17 @@ def _submit(s: Session, plan: Any, *, name: str, interactive: bool, events: Even
         config=config,
         time=getattr(job, "time", ""),
     )
-    rec = JobRecord("", name, job.name, t.run_id, t.run.url, job_dir, nodes, time.time(), cluster.name, kind="program")
+    kind = "" if job.builtin else "program"
+    rec = JobRecord("", name, job.name, t.run_id, t.run.url, job_dir, nodes, time.time(), cluster.name, kind=kind)
     _ship(s, rec, files)
-    sync_workdir(
-        s.ssh, t, job.workdir, sync_excludes(job, t.run.url), events, nodes=s.file_nodes, limit_mb=job.code_limit_mb
-    )
+    if job.workdir is not None:
+        sync_workdir(
+            s.ssh, t, job.workdir, sync_excludes(job, t.run.url), events, nodes=s.file_nodes,
+            limit_mb=job.code_limit_mb,
+        )  # fmt: skip
     rec = _sbatch(s, rec)
     result = SubmitResult(rec.job_id, name, job.name, t.run_id, t.run.url, cluster.name, nodes, partition, t.resumed)
     return result, rec
 
 
-__all__ = ["submit_program", "run_program"]
+__all__ = ["submit_program", "submit_plan", "run_program"]

@@ -1,17 +1,17 @@
 """A Slurm job's files, written by dtrain into the job's directory `<workdir>/runs/<run id>/` (on the login
 node, and on every node of a cluster whose nodes have disks of their own):
 
-    code/       dtrain's workload code (as the SSH launcher syncs it), with dtrain.common.slurmstep
+    code/       dtrain's node-side code (as the SSH launcher syncs it), with dtrain.common.slurmstep
     job.json    what every node runs: the node agent's job spec for each node with placeholders that only
                 the allocation can fill in (addresses, the first node, processes per node), and the
-                workload's arguments for a new run and for resuming it. Holds the job's environment
-                (HF_TOKEN if set): written 0600, like an SSH key
+                `program` table the batch step reads. Holds the job's environment (HF_TOKEN if set):
+                written 0600, like an SSH key
     slurm.sh    the batch script: #SBATCH options, then dtrain.common.slurmstep's batch step
 
-torchrun's command line is the SSH launcher's (dtrain.control.remote.job_spec), so a job in Slurm runs
-exactly what `dtrain train --cluster` runs on a cluster without it. A user's own program (program_files)
-has the SSH launcher's program spec (dtrain.control.remote_program.program_spec) the same way, and its
-working directory beside code/ as work/ (synced, not in the tar: dtrain.control.slurm.programs).
+A job (program_files) is a user's program or a built-in, as the SSH launcher runs it: its spec is
+dtrain.control.remote_program.program_spec's, so a job in Slurm runs exactly what `dtrain train --cluster`
+runs on a cluster without it. A user's program has its working directory beside code/ as work/ (synced, not
+in the tar: dtrain.control.slurm.programs); a built-in has none. An evaluation (module_files) is one process.
 """
 
 from __future__ import annotations
@@ -77,64 +77,6 @@ def _option(argv: list[str], name: str) -> str:
 
 def _set(argv: list[str], name: str, value: str) -> None:
     argv[argv.index(name) + 1] = value
-
-
-def job_files(
-    cluster: Cluster,
-    *,
-    workload: str,
-    run_id: str,
-    run_url: str,
-    job_dir: str,
-    name: str,
-    nodes: int,
-    argv_new: list[str] | None,
-    argv_resume: list[str],
-    nproc: int,
-    oversubscribe: bool,
-    interactive: bool,
-    gpus_per_node: int,
-    paths: Mapping[str, str],
-    debug: bool,
-    time: str = "",
-    hang_timeout: float | None = None,
-    max_restarts: int = 0,
-) -> JobFiles:
-    """The batch script and job.json of one job. `argv_new` None: the job continues an existing run. `time`:
-    its --time ("": the cluster table's). `hang_timeout`: the node agents' (None: from the step time, 0: off);
-    `max_restarts`: how many times a job whose ranks hung is requeued (dtrain.common.slurmstep.hang_end)."""
-    assert cluster.slurm is not None
-    s = cluster.slurm
-    from dtrain.control.settings import builtin
-
-    module = builtin(workload).module
-    common = {"module": module, "run_id": run_id, "gpus": gpus_per_node, "paths": dict(paths), "debug": debug,
-              "hang_timeout": hang_timeout}  # fmt: skip
-    if s.managed:  # each node as the inventory (or the cluster record) describes it
-        specs = {n.name: node_template(cluster, n, **common) for n in cluster.nodes}
-    else:  # nodes Slurm picks: the login node's settings (shared Python, workdir) hold for all
-        specs = {"*": node_template(cluster, s.login, **common)}
-    job = {
-        "version": 1,
-        "workload": workload,
-        "run_id": run_id,
-        "run_url": run_url,
-        "name": name,
-        "python": s.login.python,
-        "dir": job_dir,
-        "image": cluster.image,
-        "resume": argv_new is None,
-        "argv_new": argv_new or argv_resume,
-        "argv_resume": argv_resume,
-        "specs": specs,
-        "nproc": nproc,
-        "oversubscribe": oversubscribe,
-        "interactive": interactive,
-        "time": time or s.time,
-        "max_continuations": s.max_continuations,
-        "max_restarts": max_restarts,
-    }
-    return JobFiles(script=batch_script(cluster, job, nodes=nodes, gpus_per_node=gpus_per_node), job=job)
 
 
 def module_files(
@@ -219,14 +161,16 @@ def program_files(
     nodes: int,
     interactive: bool,
     gpus_per_node: int,
-    config: dict[str, Any],
+    config: dict[str, Any] | None,
     time: str = "",
 ) -> JobFiles:
-    """The batch script and job.json of a user's program (`plan`: a launchers.Plan with its run). The same
-    batch step as a built-in's; job.json's `program` table says what the batch step and each node's step do
-    for it (dtrain.common.slurmstep.program_started, program_spec): the project's setup commands and each
-    node's base interpreter (requirements are installed on the nodes), the starts before this job, whether
-    the job's directory is one the nodes share, and the run's config.json for its first start."""
+    """The batch script and job.json of a job (`plan`: a launchers.Plan with its run: a user's program, or a
+    built-in: launch.builtin_plan). job.json's `program` table says what the batch step and each node's step do
+    for it (dtrain.common.slurmstep.program_started, program_spec): whether it has a working directory (a
+    built-in has none: no requirements, dtrain's code), the project's setup commands and each node's base
+    interpreter (requirements are installed on the nodes), the starts before this job, whether the job's
+    directory is one the nodes share, and the run's config.json for its first start (None: a built-in writes
+    its own)."""
     cluster = plan.cluster
     assert cluster.slurm is not None
     s = cluster.slurm
@@ -234,7 +178,7 @@ def program_files(
     specs = {key: program_template(plan, node) for key, node in members.items()}
     job = {
         "version": 1,
-        "kind": "program",
+        "kind": "builtin" if plan.job.builtin else "program",
         "workload": plan.job.name,
         "run_id": plan.target.run_id,
         "run_url": plan.target.run.url,
@@ -253,6 +197,7 @@ def program_files(
         "max_continuations": s.max_continuations,
         "max_restarts": plan.max_restarts,  # requeues after a hang; the agents' hang timeout is in each spec
         "program": {
+            "workdir": plan.job.workdir is not None,
             "torchrun": plan.job.program.under_torchrun,
             "setup": list(plan.job.setup),
             "python": {key: node.python for key, node in members.items()},
