@@ -99,6 +99,8 @@ TIME_LIMIT_EVENT = "time-limit"  # the run's events.jsonl row of a continuation
 TIME_LIMIT_MARK = "time-limit.stop"  # in the job's directory on the batch node while it stops for its time limit
 TIME_LIMIT_LINE = ("dtrain: stopped before the job's time limit: the job is requeued and continues this run by "
                    "itself (up to max_continuations; `dtrain jobs` counts them)")  # fmt: skip
+# A stop that reached a built-in after it recorded its completion (run_completed): the node step reports 0.
+COMPLETED_LINE = "dtrain: the run had completed when the stop came: nothing to continue"
 SIGTERM_EXIT = 128 + signal.SIGTERM  # torchrun's own exit after it was sent SIGTERM
 # The node agent, outliving Slurm's signals to the step (they reach torchrun and the workers directly) so
 # that it reports how the job ended and removes what the job leaves. Handlers, not SIG_IGN: the programs
@@ -929,7 +931,7 @@ def node(jobfile: str, mode: str) -> int:
         elif program and signal.SIGTERM in got and stopped_as_asked(code):
             code = EXIT_PREEMPTED  # asked to stop, and it did: safe to resume (as dtrain.control.userjob.exit_code)
         if code == EXIT_PREEMPTED and program and run_completed(job):
-            emit("dtrain: the run had completed when the stop came: nothing to continue")
+            emit(COMPLETED_LINE)
             code = EXIT_OK  # a built-in recorded its completion; the stop reached its teardown
         if code == EXIT_PREEMPTED and Path(TIME_LIMIT_MARK).exists():
             # The ranks' own "preempted ... resume with --resume" is not the next step here: say what is.
