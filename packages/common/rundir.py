@@ -139,6 +139,13 @@ def find_latest(store: Store, log: Callable[[str], None] = lambda _m: None) -> F
     return None
 
 
+def last_checkpoint_name(url: str) -> str:
+    """The name of the last complete checkpoint (step-XXXXXXXX) of the run at `url`, in either layout
+    (checkpoints()), "" before the first: what `dtrain cancel` says it kept."""
+    found = find_latest(checkpoints(open_store(url)))
+    return found.name if found else ""
+
+
 def complete_meta(store: Store, name: str) -> dict[str, Any] | None:
     try:
         meta = json.loads(store.read_bytes(f"{name}/{META_FILE}"))

@@ -415,7 +415,6 @@ def batch(jobfile: str) -> int:
     code = job_code(codes) if not lost and len(codes) >= len(nodes) else EXIT_FAILURE
     if watch.hang is not None and not lost:
         code = EXIT_HUNG  # whatever the other nodes' steps made of their stop
-
     print(f"{stamp()} dtrain: job ended with exit code {code} (nodes: {codes})", flush=True)
     if watch.hang is not None and not lost:
         return hang_end(job, watch.hang, signalled=signalled.is_set())

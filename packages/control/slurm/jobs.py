@@ -589,11 +589,9 @@ def _settle_eval(s: Session, rec: JobRecord) -> None:
         s.slurm.run(f'cd {d} && PYTHONPATH="$PWD/code" {py} -c {args}')
 
 
-# On the login node, with the job's code (its directory there): a built-in's last complete checkpoint, in either
-# layout (written in the run, or copied to its ckpt/ from the nodes): dtrain.common.rundir.checkpoints.
+# On the login node, with the job's code (its directory there): a built-in run's last complete checkpoint.
 LATEST_CHECKPOINT = (
-    "import sys; from dtrain.common.storage import open_store; from dtrain.common.rundir import checkpoints, "
-    "find_latest; f = find_latest(checkpoints(open_store(sys.argv[1]))); print(f.name if f else '')"
+    "import sys; from dtrain.common.rundir import last_checkpoint_name; print(last_checkpoint_name(sys.argv[1]))"
 )
 
 
@@ -604,11 +602,9 @@ def _checkpoint(s: Session, rec: JobRecord) -> str:
         return _checkpoint_copy(s, rec)
     with contextlib.suppress(Exception):
         if is_remote(rec.url):
-            from dtrain.common.rundir import checkpoints, find_latest
-            from dtrain.common.storage import open_store
+            from dtrain.common.rundir import last_checkpoint_name
 
-            found = find_latest(checkpoints(open_store(rec.url)))
-            return found.name if found else ""
+            return last_checkpoint_name(rec.url)
         py, d = shlex.quote(s.login.python), shlex.quote(rec.dir)
         args = " ".join(shlex.quote(a) for a in (LATEST_CHECKPOINT, rec.url))
         return s.slurm.run(f'cd {d} && PYTHONPATH="$PWD/code" {py} -c {args}').strip()
