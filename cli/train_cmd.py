@@ -188,7 +188,7 @@ def run_program(argv: list[str]) -> int:
     )
     with console.operation() as (events, handle):
         result = launch_program(request, events=events, handle=handle)
-    message = next_step(result, resume_hint=f"dtrain train --resume {result.run_id}")
+    message = next_step(result, program=True)
     if message and result.ok:
         console.out.print(message, highlight=False)
     elif message:

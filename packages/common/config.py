@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 from dtrain.common.errors import UserError
 
+DEFAULT_OUTPUT = "runs"  # where runs go when neither --output nor the settings say: ./runs/<run-id>/
+
 T = TypeVar("T")
 
 
@@ -51,7 +53,7 @@ PLACEMENT_KEYS = frozenset({"output", "run_id", "resume", "run_dir"})
 class RunConfig:
     """Options every workload shares: where the run goes, precision, checkpoints, seed."""
 
-    output: str = opt("runs", "parent directory or gs://bucket/prefix for runs/<run-id>/")
+    output: str = opt(DEFAULT_OUTPUT, "parent directory or gs://bucket/prefix of the runs: <output>/<run-id>/")
     run_id: str = opt("", "run id (default: generated, <workload>-<utc time>-<hex>)")
     resume: str = opt("", "run id or run directory/URL to continue from its newest complete checkpoint")
     # Set by dtrain's launchers, which work out where the run lives once and hand it down; a plain
