@@ -12,15 +12,17 @@ import typer
 
 from dtrain.cli import console
 from dtrain.cli import options as o
-from dtrain.cli.train_cmd import PROGRAM_ARGV, ProgramGroup
+from dtrain.cli.train_cmd import PROGRAM_ARGV, SubmitGroup
 
 submit_app = typer.Typer(
-    cls=ProgramGroup,
+    cls=SubmitGroup,
     help=(
         "Queue a job on a Slurm cluster: prints the job id and returns at once. Your own script (dtrain submit "
         "train.py [ARGS] --cluster NAME), a module (-m pkg.train), a [jobs.NAME] table, any command once per node "
-        "(dtrain submit --cluster NAME -- CMD ...), or a built-in example below. Options as dtrain train's, plus "
-        "--name NAME (docs/slurm.md)."
+        "(dtrain submit --cluster NAME -- CMD ...), or a built-in example below (its own options: dtrain submit "
+        "mnist --help). "
+        "The options below are dtrain's wherever they stand; any other argument, and everything after --, is the "
+        "program's (docs/slurm.md)."
     ),
     no_args_is_help=True,
 )
