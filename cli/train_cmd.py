@@ -2,8 +2,6 @@
 workload's config dataclass and the [run] settings (name, type, help, choices), so that adding an
 option is adding a field. The command parses, calls dtrain.control.launch, and reports."""
 
-from __future__ import annotations
-
 import dataclasses
 import enum
 import inspect

@@ -16,24 +16,12 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from dtrain.common.choices import Backend, Precision
 from dtrain.common.errors import UserError
 
 DEFAULT_OUTPUT = "runs"  # where runs go when neither --output nor the settings say: ./runs/<run-id>/
 
 T = TypeVar("T")
-
-
-class Precision(str, enum.Enum):
-    AUTO = "auto"
-    BF16 = "bf16"
-    FP16 = "fp16"
-    FP32 = "fp32"
-
-
-class Backend(str, enum.Enum):
-    AUTO = "auto"
-    NCCL = "nccl"
-    GLOO = "gloo"
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
