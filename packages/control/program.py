@@ -136,7 +136,7 @@ class Parsed:
     options: dict[str, Any]
     program: Program | None  # None: a job table or a built-in named by `name`
     name: str  # the job table or built-in, when program is None
-    extra: tuple[str, ...]  # arguments for that job table's program
+    extra: tuple[str, ...]  # arguments added to that job table's program, or to a resumed run's (`-- ARGS`)
 
 
 def job_name(text: str) -> str:
@@ -338,8 +338,9 @@ def parse_command_line(argv: Sequence[str], extra: Sequence[Option] = ()) -> Par
         if name in options:
             options[name] = _env_pairs(options[name], "--env")
     if not head:
-        if not tail and options.get("resume"):
-            return Parsed(options, None, "", ())  # the resumed run's own job
+        if options.get("resume"):
+            # the resumed run's own job; what follows -- is added to the end of its program's line
+            return Parsed(options, None, "", tuple(tail))
         if not tail:
             raise UserError(
                 "nothing to run: give a script (dtrain train train.py), a module (-m pkg.train), "

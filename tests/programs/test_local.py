@@ -143,6 +143,25 @@ def test_the_resume_line_printed_for_a_run_given_output_works_as_printed(tmp_pat
     assert json.loads((run / "status.json").read_text())["state"] == "completed"
 
 
+def test_resume_with_arguments_after_the_separator_adds_them_to_the_runs_own_program_line(tmp_path: Path):
+    """`dtrain train --resume RUN -- ARGS` (an HF Trainer user's `-- --resume_from_checkpoint DIR`): the run's
+    program again, its own arguments first and ARGS after them; it took ARGS for a command to run instead
+    (`--resume_from_checkpoint: command not found`)."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "t.py").write_text(
+        "import os, sys\nprint('ARGV', *sys.argv[1:])\n"
+        "if not os.path.exists('started'):\n    open('started', 'w').close()\n    sys.exit(1)\n"
+    )
+    first = dtrain(["train", "t.py", "--lr", "1", "--nproc", "1"], proj)
+    assert first.returncode == 1, first.stdout + first.stderr
+    run = run_dir(proj / "runs", "t")
+    again = dtrain(["train", "--resume", run.name, "--", "--resume_from_checkpoint", "ckpt/checkpoint-20"], proj)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "ARGV --lr 1 --resume_from_checkpoint ckpt/checkpoint-20" in again.stdout, again.stdout
+    assert json.loads((run / "status.json").read_text())["state"] == "completed"
+
+
 @pytest.mark.slow
 def test_a_command_runs_once_with_the_node_variables_and_dtrains_own(tmp_path: Path):
     line = "echo NODE=$NODE_RANK/$NNODES MASTER=$MASTER_ADDR:$MASTER_PORT RUN=$DTRAIN_RUN CKPT=$DTRAIN_CHECKPOINT_DIR"
