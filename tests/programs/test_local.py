@@ -162,6 +162,19 @@ def test_resume_with_arguments_after_the_separator_adds_them_to_the_runs_own_pro
     assert json.loads((run / "status.json").read_text())["state"] == "completed"
 
 
+def test_a_program_that_exits_3_unasked_failed_and_was_not_preempted(tmp_path: Path):
+    """Exit 3 is "preempted: safe to resume" only for a stop that was asked for. A rank that exits 3 by
+    itself was recorded preempted, with a resume hint, though nobody asked it to stop."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "t.py").write_text("import os, sys\nif os.environ['RANK'] == '1':\n    sys.exit(3)\n")
+    r = dtrain(["train", "t.py", "--nproc", "2"], proj)
+    assert r.returncode == ExitCode.FAILURE, r.stdout + r.stderr
+    status = json.loads((run_dir(proj / "runs", "t") / "status.json").read_text())
+    assert (status["state"], status["exit_code"]) == ("failed", 1), status
+    assert " failed (exit 1)" in r.stderr and "stopped" not in r.stderr, r.stderr
+
+
 @pytest.mark.slow
 def test_a_command_runs_once_with_the_node_variables_and_dtrains_own(tmp_path: Path):
     line = "echo NODE=$NODE_RANK/$NNODES MASTER=$MASTER_ADDR:$MASTER_PORT RUN=$DTRAIN_RUN CKPT=$DTRAIN_CHECKPOINT_DIR"
