@@ -1,7 +1,5 @@
 """`dtrain build [--gpu] [--no-push]`: the training image, built and pushed (dtrain.control.images)."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated
 

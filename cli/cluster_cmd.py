@@ -1,8 +1,6 @@
 """Commands on a cluster's nodes: `dtrain doctor`, `dtrain gpus`, `dtrain exec`, `dtrain ssh`
 (the work is dtrain.control.nodes)."""
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import os

@@ -1,7 +1,5 @@
 """`dtrain config show`: the resolved configuration and where each value came from."""
 
-from __future__ import annotations
-
 import json
 from typing import Annotated
 

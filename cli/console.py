@@ -15,17 +15,41 @@ import contextlib
 import dataclasses
 import signal
 import time
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
 from dtrain.control.events import Event, Events, Handle
 
+if typing.TYPE_CHECKING:
+    from rich.console import Console
+
+
+class _LazyConsole:
+    """A rich Console made on first use: importing rich's console costs about a third of `dtrain --help`,
+    whose plain help (click's) prints without it (docs/decisions.md)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._kwargs = kwargs
+        self._console: Any = None
+
+    @property
+    def real(self) -> Console:
+        """The Console itself, for what rich takes as an argument (a progress bar's console)."""
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(**self._kwargs)
+        return self._console
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
 # soft_wrap: never hard-wrap a line (a path or URL split over lines breaks grep and copy-paste).
-out = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)
+out: Console = _LazyConsole(soft_wrap=True)  # type: ignore[assignment]
+err: Console = _LazyConsole(stderr=True, soft_wrap=True)  # type: ignore[assignment]
 
 
 @dataclasses.dataclass
@@ -158,7 +182,7 @@ class Renderer:
         if self._bar is None:
             from dtrain.common.metrics import progress_bar
 
-            self._bar = progress_bar(out)
+            self._bar = progress_bar(out.real)  # type: ignore[attr-defined]
             self._bar.start()
             self._task = self._bar.add_task(description, total=total, status="")
 

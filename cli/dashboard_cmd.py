@@ -1,7 +1,5 @@
 """`dtrain dashboard`: the web dashboard and REST API (the work is dtrain.dashboard.server)."""
 
-from __future__ import annotations
-
 from typing import Annotated
 
 import typer

@@ -2,8 +2,6 @@
 or dtrain.control.plots, render what it returns. The torch side runs as `python -m dtrain.evaluate`,
 started by the control layer; nothing here imports torch or matplotlib."""
 
-from __future__ import annotations
-
 import json
 from pathlib import Path
 from typing import Annotated, Any
@@ -12,7 +10,7 @@ import typer
 
 from dtrain.cli import console
 from dtrain.cli import options as o
-from dtrain.control.plots import DEFAULTS
+from dtrain.evaluate import curves
 
 Run = Annotated[str, typer.Argument(help="run id under --output, or the run's directory / gs:// URL")]
 Checkpoint = Annotated[
@@ -176,14 +174,14 @@ def export(
 def plot(
     runs: Annotated[list[str], typer.Argument(help="run ids under --output, or run directories / gs:// URLs")],
     to: Annotated[str, typer.Option("-o", "--out", help="the PNG to write (a path or gs:// URL)")] = "curves.png",
-    width: Annotated[int, typer.Option("--width", help="pixels")] = DEFAULTS["width"],
-    height: Annotated[int, typer.Option("--height", help="pixels")] = DEFAULTS["height"],
-    dpi: Annotated[int, typer.Option("--dpi", help="dots per inch (text size relative to the picture)")] = DEFAULTS[
-        "dpi"
-    ],
+    width: Annotated[int, typer.Option("--width", help="pixels")] = curves.DEFAULT_WIDTH,
+    height: Annotated[int, typer.Option("--height", help="pixels")] = curves.DEFAULT_HEIGHT,
+    dpi: Annotated[
+        int, typer.Option("--dpi", help="dots per inch (text size relative to the picture)")
+    ] = curves.DEFAULT_DPI,
     smoothing: Annotated[
         float, typer.Option("--smoothing", help="exponential smoothing of the training loss, 0 (none) to <1")
-    ] = DEFAULTS["smoothing"],
+    ] = curves.DEFAULT_SMOOTHING,
     output: o.Output = None,
 ) -> None:
     """Draw loss, accuracy or perplexity and learning rate against step for one or more runs, overlaid."""

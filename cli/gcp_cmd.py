@@ -1,8 +1,6 @@
 """`dtrain up`, `dtrain down`, `dtrain status`, `dtrain preflight`: the life of a cluster dtrain makes.
 Each parses its options and calls the cluster's backend (dtrain.control.backends), which does the work."""
 
-from __future__ import annotations
-
 import json
 from typing import Annotated, Any
 

@@ -3,8 +3,6 @@ train.py ...`, -m module, a [jobs.NAME] table, -- command), `dtrain jobs`, `dtra
 `dtrain logs JOB [-f]` (dispatched here from cli/runs_cmd.py), and `dtrain slurm setup`. The work is
 dtrain.control.slurm."""
 
-from __future__ import annotations
-
 import json
 from typing import Annotated, Any
 
@@ -12,15 +10,17 @@ import typer
 
 from dtrain.cli import console
 from dtrain.cli import options as o
-from dtrain.cli.train_cmd import PROGRAM_ARGV, ProgramGroup
+from dtrain.cli.train_cmd import PROGRAM_ARGV, SubmitGroup
 
 submit_app = typer.Typer(
-    cls=ProgramGroup,
+    cls=SubmitGroup,
     help=(
         "Queue a job on a Slurm cluster: prints the job id and returns at once. Your own script (dtrain submit "
         "train.py [ARGS] --cluster NAME), a module (-m pkg.train), a [jobs.NAME] table, any command once per node "
-        "(dtrain submit --cluster NAME -- CMD ...), or a built-in example below. Options as dtrain train's, plus "
-        "--name NAME (docs/slurm.md)."
+        "(dtrain submit --cluster NAME -- CMD ...), or a built-in example below (its own options: dtrain submit "
+        "mnist --help). "
+        "The options below are dtrain's wherever they stand; any other argument, and everything after --, is the "
+        "program's (docs/slurm.md)."
     ),
     no_args_is_help=True,
 )
@@ -87,15 +87,16 @@ def _queued(r: Any) -> None:
     )
 
 
-def _register_submit() -> None:
+def register_all() -> None:
+    """One `dtrain submit NAME` per workload. cli/main.py calls it only when `submit` is on the command line,
+    as it does train_cmd.register_all for `train`: `dtrain --help` need not read every workload's settings."""
     from dtrain.cli.train_cmd import workload_command
     from dtrain.control.settings import WORKLOADS
 
+    if any(c.name in WORKLOADS for c in submit_app.registered_commands):
+        return
     for name in WORKLOADS:
         submit_app.command(name)(workload_command(name, _submit, SUBMIT_ONLY))
-
-
-_register_submit()
 
 
 @submit_app.command(

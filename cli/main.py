@@ -4,8 +4,6 @@ Nothing here imports torch, transformers, peft or a cloud SDK: `dtrain --help` s
 laptop with only the CLI installed. Commands import what they need inside their functions.
 """
 
-from __future__ import annotations
-
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -87,10 +85,15 @@ _register()
 
 def run(argv: list[str] | None = None) -> int:
     """Entry point: run the app and turn errors into one line and an exit code."""
-    if "train" in (sys.argv[1:] if argv is None else argv):
+    given = sys.argv[1:] if argv is None else argv
+    if "train" in given:
         from dtrain.cli import train_cmd
 
         train_cmd.register_all()
+    if "submit" in given:
+        from dtrain.cli import jobs_cmd
+
+        jobs_cmd.register_all()
     try:
         app(args=argv, prog_name="dtrain", standalone_mode=False)
     except UserError as e:

@@ -3,8 +3,6 @@
 envvar= here: dtrain.control.settings reads DTRAIN_* itself, so the source of every value is known.
 `dtrain train`'s options are generated from the workloads' config dataclasses (cli/train_cmd.py)."""
 
-from __future__ import annotations
-
 from typing import Annotated
 
 import typer

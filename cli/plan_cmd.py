@@ -1,7 +1,5 @@
 """`dtrain plan`: the memory plan of a LoRA run before anything is rented (dtrain.lora.plan)."""
 
-from __future__ import annotations
-
 import dataclasses
 import enum
 import json
@@ -11,8 +9,8 @@ import typer
 
 from dtrain.cli import console
 from dtrain.cli import options as o
-from dtrain.common.config import Precision
-from dtrain.lora.config import Sharding, Switch
+from dtrain.common.choices import Precision
+from dtrain.lora.choices import Sharding, Switch
 
 
 class PlanQuant(str, enum.Enum):

@@ -1,8 +1,6 @@
 """`dtrain runs` and `dtrain logs`: runs under --output with their status and best metric, and a
 cluster run's per-node logs."""
 
-from __future__ import annotations
-
 import json
 from typing import Annotated
 

@@ -2,8 +2,6 @@
 workload's config dataclass and the [run] settings (name, type, help, choices), so that adding an
 option is adding a field. The command parses, calls dtrain.control.launch, and reports."""
 
-from __future__ import annotations
-
 import dataclasses
 import enum
 import inspect
@@ -26,22 +24,37 @@ class ProgramGroup(TyperGroup):
     else (a script, -m module, job table, or -- command) routed to its hidden `program` command, which parses
     its own line (dtrain.control.program)."""
 
+    submit = False  # `dtrain submit`'s group: its own options besides dtrain train's
+
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
             ctx.meta[PROGRAM_ARGV] = list(args)
             args = ["program"]
         return super().parse_args(ctx, args)
 
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        """--help lists the options the program line takes (dtrain.control.program parses them, not click),
+        one row each with its meaning, as every other command's --help does; then the built-ins."""
+        from dtrain.control.program import OPTIONS, SUBMIT_OPTIONS
+
+        given = [*OPTIONS, *(SUBMIT_OPTIONS if self.submit else [])]
+        rows = [(f"{o.name} {o.metavar}" if o.takes_value else o.name, o.help) for o in given]
+        with formatter.section("Options"):
+            formatter.write_dl([*rows, ("-h, --help", "Show this message and exit.")])
+        self.format_commands(ctx, formatter)
+
+
+class SubmitGroup(ProgramGroup):
+    submit = True
+
 
 app = typer.Typer(
     cls=ProgramGroup,
     help=(
         "Train: your own script (dtrain train train.py [ARGS]), a module (-m pkg.train), a [jobs.NAME] table "
-        "(dtrain train NAME), any command once per node (dtrain train -- CMD ...), or a built-in example below. "
-        "Options: --cluster NAME, --nodes N, --nproc N, --output DIR|gs://..., --resume RUN, --run-id ID, "
-        "--max-restarts N, --hang-timeout S, --time LIMIT (Slurm), --workdir DIR, --setup CMD, --env NAME=VALUE, "
-        "--checkpoint-dir DIR, "
-        "--code-limit MB, --image IMAGE, --accept-new-host-keys, --oversubscribe (docs/user-code.md)."
+        "(dtrain train NAME), any command once per node (dtrain train -- CMD ...), or a built-in example below "
+        "(its own options: dtrain train mnist --help). The options below are dtrain's wherever they stand; any "
+        "other argument, and everything after --, is the program's (docs/user-code.md)."
     ),
     no_args_is_help=True,
 )
@@ -188,7 +201,7 @@ def run_program(argv: list[str]) -> int:
     )
     with console.operation() as (events, handle):
         result = launch_program(request, events=events, handle=handle)
-    message = next_step(result, resume_hint=f"dtrain train --resume {result.run_id}")
+    message = next_step(result, program=True)
     if message and result.ok:
         console.out.print(message, highlight=False)
     elif message:

@@ -16,22 +16,12 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from dtrain.common.choices import Backend, Precision
 from dtrain.common.errors import UserError
 
+DEFAULT_OUTPUT = "runs"  # where runs go when neither --output nor the settings say: ./runs/<run-id>/
+
 T = TypeVar("T")
-
-
-class Precision(str, enum.Enum):
-    AUTO = "auto"
-    BF16 = "bf16"
-    FP16 = "fp16"
-    FP32 = "fp32"
-
-
-class Backend(str, enum.Enum):
-    AUTO = "auto"
-    NCCL = "nccl"
-    GLOO = "gloo"
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
@@ -51,7 +41,7 @@ PLACEMENT_KEYS = frozenset({"output", "run_id", "resume", "run_dir"})
 class RunConfig:
     """Options every workload shares: where the run goes, precision, checkpoints, seed."""
 
-    output: str = opt("runs", "parent directory or gs://bucket/prefix for runs/<run-id>/")
+    output: str = opt(DEFAULT_OUTPUT, "parent directory or gs://bucket/prefix of the runs: <output>/<run-id>/")
     run_id: str = opt("", "run id (default: generated, <workload>-<utc time>-<hex>)")
     resume: str = opt("", "run id or run directory/URL to continue from its newest complete checkpoint")
     # Set by dtrain's launchers, which work out where the run lives once and hand it down; a plain

@@ -44,6 +44,10 @@ from dtrain.common.fileops import locked
 REQUIREMENTS_TXT = "requirements.txt"
 PYPROJECT = "pyproject.toml"
 READY = ".dtrain-ready"
+BASE_VENV_PTH = "_dtrain_base_venv.pth"
+# Part of the key: an env built by an earlier layout is rebuilt, not reused (layout 1 wrote plain path
+# lines into BASE_VENV_PTH, which hid the base venv's editable installs).
+ENV_LAYOUT = 2
 # How much of a failed step's last output line goes into the error message.
 MAX_DETAIL_CHARS = 200
 
@@ -222,6 +226,7 @@ def env_key(reqs: Requirements, setup: Sequence[str], base_python: str) -> str:
         "python": os.path.realpath(shutil.which(base_python) or base_python),
         "prefix": info["prefix"],
         "version": info["version"],
+        "layout": ENV_LAYOUT,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -310,13 +315,19 @@ def _build(
 
 def _see_base_venv(env_dir: Path, info: dict[str, Any]) -> None:
     """--system-site-packages shows the base *installation's* packages; when the base interpreter is a
-    venv (a node image's /opt/venv, say), its own site-packages, where torch is, needs this .pth too."""
+    venv (a node image's /opt/venv, say), its own site-packages, where torch is, needs this .pth too.
+
+    Each line calls site.addsitedir rather than naming the folder: a plain path line only puts the folder
+    on sys.path, and the .pth files inside it never run. An editable install (scripts/setup.sh's `pip
+    install -e`) is such a .pth file, an import hook, so with a plain line the env could not import
+    dtrain itself, nor any other package the base venv holds in editable form."""
     if info["prefix"] == info["base_prefix"]:
         return
     ours = env_dir / "lib" / info["lib"] / "site-packages"
     base = [p for p in info["site"] if p.startswith(info["prefix"])]
     if ours.is_dir() and base:
-        (ours / "_dtrain_base_venv.pth").write_text("".join(f"{p}\n" for p in base))
+        lines = "".join(f"import site; site.addsitedir({p!r})\n" for p in base)
+        (ours / BASE_VENV_PTH).write_text(lines)
 
 
 class _Steps:

@@ -31,6 +31,17 @@ def stopped_as_asked(code: int) -> bool:
     return code in STOPPED_AS_ASKED
 
 
+def stop_outcome(code: int, asked: bool) -> int:
+    """A program's exit code as the job's, by whether dtrain (or the cloud, through dtrain) asked it to stop:
+    PREEMPTED only for a stop that was asked for and obeyed. A program that exits PREEMPTED unasked has
+    FAILED: "preempted, safe to resume" would be said of a run that nobody stopped."""
+    if asked and stopped_as_asked(code):
+        return int(ExitCode.PREEMPTED)
+    if code == ExitCode.PREEMPTED:
+        return int(ExitCode.FAILURE)
+    return code
+
+
 class UserError(Exception):
     """A mistake the user can fix. Printed as one line (what was wrong, what to do), no traceback.
 

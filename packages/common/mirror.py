@@ -15,17 +15,25 @@ Layout under the store (the run's `ckpt/` prefix):
                                "files": {relpath: {"sha256", "size", "mtime_ns"}}}
     node-00000/pending.json    the blobs node 0 is uploading for its next manifest (so no GC takes them)
 
-Why a manifest is written last, and only over a fully settled directory: blobs are just bytes; only a
-manifest says which of them form a checkpoint. Written after every blob it names is in the store, a
-manifest is never visible before its checkpoint is whole, and `restore` checks that again (each blob
-present with its size, each download's sha256), falling back to an older manifest otherwise, so a
-half-copied checkpoint is never restored. A file is copied only when settled: its (size, mtime) did not
-change over a whole interval and no process of the job has it open for writing. A manifest is written
-only when EVERY file in the directory is settled, never over the settled subset: a checkpoint of
-several files caught mid-write (model.pt done, optim.pt half) would otherwise be saved as the new model
-next to the old optimizer. What "settled" cannot see is a writer that pauses for longer than an interval
-between two files of one checkpoint; a format with its own completion marker (meta.json, LATEST) is
-safe from that too.
+Why a manifest is written last, and what it may take: blobs are just bytes; only a manifest says which
+of them form a checkpoint. Written after every blob it names is in the store, a manifest is never visible
+before its checkpoint is whole, and `restore` checks that again (each blob present with its size, each
+download's sha256), falling back to an older manifest otherwise, so a half-copied checkpoint is never
+restored. A manifest takes a file only once it is known to be whole, and never a file some process of the
+job has open for writing:
+- a checkpoint folder whose format says when it is whole (dtrain's step-N once its meta.json lists every
+  file at its size; HF Trainer's checkpoint-N once trainer_state.json, written last, is there; a path the
+  program marked with dtrain.sdk.checkpoint_saved, while its files are as marked) is taken at the first
+  scan that finds it so, whatever else in the directory is still changing;
+- the rest of the directory is taken as one: when no temporary file is being written (a save under way)
+  and either each changed file arrived by a rename (a new inode: `torch.save` to a temporary name, then
+  `os.replace`), or it is a lone file (after a kill, not: a closed file may be one cut off mid-write), or
+  every file is settled: its (size, mtime, inode) unchanged since the previous settle scan, an interval
+  ago. Otherwise the rest keeps its last copy whole: a checkpoint of several files caught mid-write
+  (model.pt done, optim.pt not yet) is never saved as the new model next to the old optimizer.
+The thread scans every QUICK_SCAN_S for whole checkpoints, and every `interval_s` by the settle rule too.
+What the rules cannot see is a writer that pauses for longer than an interval between two files of one
+checkpoint written in place; a format with its own completion marker is safe from that.
 
 Garbage collection, after each new manifest: a node deletes its own manifests but the newest `keep`,
 then every blob that no manifest or pending.json of any node names. pending.json is written before a
@@ -64,6 +72,20 @@ _PENDING_RE = re.compile(r"node-(\d{5})/pending\.json")
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 
 Log = Callable[[str], None]
+# How often the thread looks for checkpoints that say they are whole (between the settle scans, every
+# interval_s): such a checkpoint is copied within this much of its save.
+QUICK_SCAN_S = 2.0
+# Checkpoint folders whose format says when they are whole, by the file written last: dtrain's own
+# (dtrain.common.checkpoint: meta.json, after state.pt, listing every file with its size) and HF Trainer's
+# (Trainer._save_checkpoint writes trainer_state.json after the model, optimizer, scheduler and RNG state).
+_DTRAIN_STEP_RE = re.compile(r"step-\d{8}")
+DTRAIN_META = "meta.json"
+_HF_CHECKPOINT_RE = re.compile(r"checkpoint-\d+")
+HF_TRAINER_STATE = "trainer_state.json"
+# What dtrain.sdk.checkpoint_saved writes at the root of the checkpoint directory: {"units": {path: {file:
+# [size, mtime_ns]}}}, each path (a file or a folder) a checkpoint the program says is whole, as it stood.
+# Hidden, so it is never copied itself.
+SDK_MARKER = ".dtrain-complete.json"
 # What "unchanged since the previous scan" compares: size, mtime, and the inode (a file replaced by a
 # rename is a different file even when size and mtime agree).
 _Key = tuple[int, int, int]
@@ -137,9 +159,13 @@ class Mirror:
         self.forwards = tuple(forwards)
         self.log = log
         self._pids = pids
-        self._seen: dict[str, _Key] = {}  # each file's key at the previous scan
+        self.quick_s = min(QUICK_SCAN_S, interval_s)
+        self._seen: dict[str, _Key] = {}  # each file's key at the previous settle scan (sync())
+        self._last_keys: dict[str, _Key] = {}  # each file's key at the previous scan of either kind
+        self._renamed: set[str] = set()  # files whose present bytes arrived by a rename (a new inode)
         self._hashes: dict[str, tuple[_Key, str]] = {}  # sha256 of each file, valid while its key holds
         self._saved: dict[str, tuple[str, int]] | None = None  # (sha, size) per file in the last manifest
+        self._last: dict[str, dict[str, Any]] = {}  # the last manifest's files: what a copy keeps of a file not whole
         self._seq = 0  # the newest manifest seq of this node
         self._loaded = False
         self._manifests: dict[str, dict[str, Any]] = {}  # parsed manifests by name: immutable once written
@@ -162,56 +188,109 @@ class Mirror:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        return self.sync(final=final)
+        return self.sync(final=final, killed=not final)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        next_settle = time.monotonic() + self.interval_s
+        while not self._stop.wait(self.quick_s):
+            settle = time.monotonic() >= next_settle
+            if settle:
+                next_settle = time.monotonic() + self.interval_s
             try:
-                self.sync()
+                self.sync(quick=not settle)
             except Exception as e:  # a flaky network must not end the copying: try again next tick
                 self.log(
                     f"checkpoint mirror: copy to {self.store.url} failed ({type(e).__name__}: {e}); "
-                    f"trying again in {self.interval_s:g}s"
+                    f"trying again in {self.quick_s:g}s"
                 )
 
-    def sync(self, *, final: bool = False) -> SyncResult:
+    def sync(self, *, final: bool = False, quick: bool = False, killed: bool = False) -> SyncResult:
         """One scan: forwards first, then the checkpoint files. A forward's failure is logged, never
-        raised, so metrics never hold back a checkpoint; the checkpoint's failure is raised."""
+        raised, so metrics never hold back a checkpoint; the checkpoint's failure is raised.
+
+        A settle scan (quick=False) also takes files by the settle rule: unchanged since the previous settle
+        scan. A quick one takes only what is known to be whole (see `_ready`). killed: the job's processes were
+        killed, so a closed file may be one cut off mid-write: a lone file is not whole for being closed."""
         with self._lock:
             for fwd in self.forwards:
                 try:
                     fwd.sync()
                 except Exception as e:
                     self.log(f"checkpoint mirror: forwarding {fwd.local_path} failed ({type(e).__name__}: {e})")
-            return self._sync_files(final)
+            return self._sync_files(final, quick, killed)
 
-    def _sync_files(self, final: bool) -> SyncResult:
+    def _sync_files(self, final: bool, quick: bool = False, killed: bool = False) -> SyncResult:
         if not self._loaded:
             self._load()
         found = _scan(self.local_dir)
         keys = {rel: _key(st) for rel, st in found.items()}
-        busy = _open_for_writing(
-            {(st.st_dev, st.st_ino) for st in found.values()}, None if self._pids is None else self._pids()
-        )
-        waiting = tuple(
-            rel
-            for rel, st in found.items()
-            if (st.st_dev, st.st_ino) in busy or (not final and self._seen.get(rel) != keys[rel])
-        )
-        self._seen = keys
+        pids = None if self._pids is None else list(self._pids())
+        inodes = {(st.st_dev, st.st_ino) for st in found.values()}
+        writing = _open_for_writing(inodes | _temporaries(self.local_dir), pids)
+        busy = {rel for rel, st in found.items() if (st.st_dev, st.st_ino) in writing}
+        saving = bool(writing - inodes)  # a temporary file is being written: a save is under way
+        for rel, key in keys.items():  # which files' present bytes arrived by a rename
+            before = self._last_keys.get(rel)
+            if before != key:
+                self._renamed.discard(rel)
+                if before is not None and before[2] != key[2]:
+                    self._renamed.add(rel)
+        self._renamed &= set(keys)
+        self._last_keys = keys
+        unchanged = {rel for rel in found if final or self._seen.get(rel) == keys[rel]}
+        settled = unchanged if not quick else {rel for rel in found if final}
+        if not quick:
+            self._seen = keys
         self._hashes = {rel: v for rel, v in self._hashes.items() if rel in found}
-        if waiting:
-            return SyncResult(waiting=waiting)
-        files = {}
-        for rel, st in found.items():
+        take, keep, waiting = self._ready(keys, busy, settled, unchanged, saving, lone_is_whole=not killed)
+        files = {rel: e for rel, e in self._last.items() if rel in keep}
+        for rel in take:
             sha = self._sha256(rel, keys[rel])
-            if sha is None:  # changed while being read: it was not settled after all
+            if sha is None:  # changed while being read: it was not whole after all
                 return SyncResult(waiting=(rel,))
-            files[rel] = {"sha256": sha, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+            files[rel] = {"sha256": sha, "size": keys[rel][0], "mtime_ns": keys[rel][1]}
         # An empty directory saves nothing: it must not become the newest copy of a saved checkpoint.
         if not files or _content(files) == self._saved:
-            return SyncResult()
-        return self._save(files)
+            return SyncResult(waiting=waiting)
+        result = self._save(files)
+        return dataclasses.replace(result, waiting=result.waiting or waiting)
+
+    def _ready(
+        self,
+        keys: dict[str, _Key],
+        busy: set[str],
+        settled: set[str],
+        unchanged: set[str],
+        saving: bool,
+        *,
+        lone_is_whole: bool,
+    ) -> tuple[list[str], set[str], tuple[str, ...]]:
+        """(files to copy as they are now, files whose last copy stands in for them, files waiting).
+
+        A checkpoint folder that says it is whole (dtrain's step-N with its meta.json, HF Trainer's
+        checkpoint-N with its trainer_state.json, a path the program marked with dtrain.sdk.checkpoint_saved)
+        is copied as soon as it is, whatever else is still changing. The rest (other files, and such folders
+        not whole yet) go together, as one checkpoint, when none is open for writing, no temporary file is,
+        and either each changed file arrived by a rename, or there is only one file, or every file is settled
+        (the settle rule, on settle scans); otherwise the rest keeps its last copy, so no copy mixes a new file
+        with an old one of another save."""
+        take: list[str] = []
+        whole_units: list[str] = []
+        for prefix, (members, whole) in _units(self.local_dir, keys).items():
+            if whole and not members & busy:
+                take += members
+                whole_units.append(prefix)
+        rest = [rel for rel in keys if not any(_under(rel, p) for p in whole_units)]
+        changed = {rel for rel in rest if _content_of(self._last.get(rel)) != keys[rel][:2]}
+        whole = not saving and not busy & set(rest)
+        lone = lone_is_whole and len(rest) == 1
+        whole = whole and (all(r in self._renamed for r in changed) or lone or set(rest) <= settled)
+        if whole:
+            return sorted(take + rest), set(), ()
+        # the rest keeps its last copy, whole, as it was: none of it is mixed with what changed since
+        keep = {rel for rel in self._last if not any(_under(rel, p) for p in whole_units)}
+        waiting = (rel for rel in rest if rel in busy or (rel not in unchanged and rel in changed))
+        return sorted(take), keep, tuple(sorted(waiting))
 
     def _load(self) -> None:
         """Continues this node's manifests after a relaunch: the next seq, and the last saved set (if
@@ -221,7 +300,7 @@ class Mirror:
             self._seq = max(seqs)
             manifest = _read_manifest(self.store, manifest_name(self.node, self._seq), self.log)
             if manifest is not None and _incomplete(self.store, manifest["files"], None, {}) is None:
-                self._saved = _content(manifest["files"])
+                self._saved, self._last = _content(manifest["files"]), dict(manifest["files"])
         self._loaded = True
 
     def _sha256(self, rel: str, key: _Key) -> str | None:
@@ -262,7 +341,7 @@ class Mirror:
         name = manifest_name(self.node, seq)
         manifest = {"seq": seq, "node": self.node, "time": time.time(), "files": files}
         _write_json(self.store, name, manifest)
-        self._seq, self._saved = seq, _content(files)
+        self._seq, self._saved, self._last = seq, _content(files), dict(files)
         self._manifests[name] = manifest
         self.store.delete(pending)
         self.log(
@@ -619,6 +698,66 @@ def _scan(local_dir: Path) -> dict[str, os.stat_result]:
             if stat.S_ISREG(st.st_mode):
                 found[Path(path).relative_to(local_dir).as_posix()] = st
     return found
+
+
+def _under(rel: str, prefix: str) -> bool:
+    return rel == prefix or rel.startswith(prefix + "/")
+
+
+def _content_of(entry: dict[str, Any] | None) -> tuple[int, int] | None:
+    return None if entry is None else (entry["size"], entry["mtime_ns"])
+
+
+def _temporaries(local_dir: Path) -> set[tuple[int, int]]:
+    """(st_dev, st_ino) of the temporary-looking files under `local_dir` (never copied): one that is open for
+    writing means a save is under way (`torch.save` to `x.tmp`, then a rename)."""
+    out: set[tuple[int, int]] = set()
+    for dirpath, dirnames, filenames in os.walk(local_dir):
+        for name in filenames:
+            if is_temporary(name) or is_temporary(os.path.basename(dirpath)):
+                with contextlib.suppress(OSError):
+                    st = os.stat(os.path.join(dirpath, name))
+                    out.add((st.st_dev, st.st_ino))
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # .git and the like: not a save
+    return out
+
+
+def _units(local_dir: Path, keys: dict[str, _Key]) -> dict[str, tuple[set[str], bool]]:
+    """The checkpoint folders (and marked paths) that say when they are whole: prefix -> (its files, whole)."""
+    units: dict[str, tuple[set[str], bool]] = {}
+    marked = _sdk_units(local_dir)
+    for prefix, listed in marked.items():
+        members = {rel for rel in keys if _under(rel, prefix)}
+        units[prefix] = (members, bool(members) and {rel: list(keys[rel][:2]) for rel in members} == listed)
+    for rel in keys:
+        parts = rel.split("/")
+        for i, part in enumerate(parts[:-1]):
+            prefix = "/".join(parts[: i + 1])
+            if prefix in units or any(_under(prefix, p) for p in marked):
+                break
+            if _DTRAIN_STEP_RE.fullmatch(part) or _HF_CHECKPOINT_RE.fullmatch(part):
+                members = {r for r in keys if _under(r, prefix)}
+                units[prefix] = (members, _format_whole(local_dir, prefix, part, members, keys))
+                break
+    return units
+
+
+def _format_whole(local_dir: Path, prefix: str, name: str, members: set[str], keys: dict[str, _Key]) -> bool:
+    if _HF_CHECKPOINT_RE.fullmatch(name):
+        return f"{prefix}/{HF_TRAINER_STATE}" in members
+    try:  # dtrain's: meta.json lists every file with its size
+        listed = json.loads((local_dir / prefix / DTRAIN_META).read_text())["files"]
+        return all(keys.get(f"{prefix}/{f}", (-1,))[0] == e["size"] for f, e in listed.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _sdk_units(local_dir: Path) -> dict[str, dict[str, list[int]]]:
+    try:
+        units = json.loads((local_dir / SDK_MARKER).read_text())["units"]
+        return {str(p): {str(f): list(v) for f, v in files.items()} for p, files in units.items() if _safe_rel(p)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
 
 
 def _open_for_writing(inodes: set[tuple[int, int]], pids: Iterable[int] | None) -> set[tuple[int, int]]:

@@ -75,12 +75,7 @@ def resolve_job(
                 f"no job {parsed.name!r}: not a [jobs.{parsed.name}] table in {where} nor a built-in (known: {known}); "
                 f"a script must end in .py, and a command goes after --: dtrain train -- {parsed.name} ..."
             )
-        job = table.job
-        if parsed.extra:  # the command line's arguments follow the table's
-            prog = job.program
-            if prog.kind == "shell":
-                raise UserError(f"[jobs.{parsed.name}] runs a shell line: put its arguments in that line")
-            job = dataclasses.replace(job, program=dataclasses.replace(prog, args=(*prog.args, *parsed.extra)))
+        job = with_args(table.job, parsed.extra, f"[jobs.{parsed.name}]")  # the command line's follow the table's
         if o.get("workdir"):
             job = dataclasses.replace(job, workdir=workdir)
         for dest, value in (("cluster", table.cluster), ("nproc", table.nproc), ("max_restarts", table.max_restarts)):
@@ -90,6 +85,7 @@ def resolve_job(
             launch["image"] = table.image
     else:
         job = resumed_job(o.get("resume") or "", flags, config_path)
+        job = with_args(job, parsed.extra, f"run {o.get('resume')}")  # --resume RUN -- ARGS: the run's, then these
     if o.get("setup"):
         job = dataclasses.replace(job, setup=(*job.setup, *o["setup"]))
     if o.get("env"):
@@ -103,6 +99,18 @@ def resolve_job(
     if o.get("time"):
         job = dataclasses.replace(job, time=o["time"])
     return job, flags, launch
+
+
+def with_args(job: Job, args: Sequence[str], what: str) -> Job:
+    """`job` with `args` added at the end of its program's line: a job table's program with the command line's
+    arguments, a resumed run's with those after `--resume RUN --` (for an argparse-style program, an option
+    given again takes its new value)."""
+    if not args:
+        return job
+    prog = job.program
+    if prog.kind == "shell":
+        raise UserError(f"{what} runs a shell line: put its arguments in that line")
+    return dataclasses.replace(job, program=dataclasses.replace(prog, args=(*prog.args, *args)))
 
 
 def resumed_job(resume: str, flags: dict[str, Any], config_path: Path | None) -> Job:

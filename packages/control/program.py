@@ -136,7 +136,7 @@ class Parsed:
     options: dict[str, Any]
     program: Program | None  # None: a job table or a built-in named by `name`
     name: str  # the job table or built-in, when program is None
-    extra: tuple[str, ...]  # arguments for that job table's program
+    extra: tuple[str, ...]  # arguments added to that job table's program, or to a resumed run's (`-- ARGS`)
 
 
 def job_name(text: str) -> str:
@@ -162,6 +162,7 @@ class Option:
     repeat: bool = False
     convert: Any = str
     help: str = ""
+    metavar: str = ""  # what --help shows after the name of an option that takes a value
 
 
 def _nonneg_int(flag: str) -> Any:
@@ -194,14 +195,40 @@ def _slurm_time(v: str) -> str:
 
 
 OPTIONS = [
-    Option("--cluster", "cluster", True, help="a [clusters.NAME] from dtrain.toml (default: this machine)"),
-    Option("--nodes", "nodes", True, convert=_nonneg_int("--nodes"), help="use the cluster's first N nodes (0: all)"),
-    Option("--nproc", "nproc", True, convert=_nonneg_int("--nproc"), help="processes per node (0: auto)"),
-    Option("--output", "output", True, help="parent of runs/<run-id>/: a directory or gs://bucket/prefix"),
-    Option("--resume", "resume", True, help="a run id or URL to continue (its checkpoints are put back first)"),
-    Option("--run-id", "run_id", True, help="the run's id (default: generated)"),
     Option(
-        "--max-restarts", "max_restarts", True, convert=_nonneg_int("--max-restarts"), help="relaunches after a failure"
+        "--cluster", "cluster", True, help="a [clusters.NAME] from dtrain.toml (default: this machine)", metavar="NAME"
+    ),
+    Option(
+        "--nodes",
+        "nodes",
+        True,
+        convert=_nonneg_int("--nodes"),
+        help="use the cluster's first N nodes (0: all)",
+        metavar="N",
+    ),
+    Option("--nproc", "nproc", True, convert=_nonneg_int("--nproc"), help="processes per node (0: auto)", metavar="N"),
+    Option(
+        "--output",
+        "output",
+        True,
+        help="the folder of the runs, each as <output>/<run-id>/: a directory or gs://bucket/prefix (default: runs)",
+        metavar="DIR|gs://...",
+    ),
+    Option(
+        "--resume",
+        "resume",
+        True,
+        help="a run id (under ./runs), or a run's folder or gs:// URL, to continue; its checkpoints are put back first",
+        metavar="RUN|PATH",
+    ),
+    Option("--run-id", "run_id", True, help="the run's id (default: generated)", metavar="ID"),
+    Option(
+        "--max-restarts",
+        "max_restarts",
+        True,
+        convert=_nonneg_int("--max-restarts"),
+        help="relaunches after a failure",
+        metavar="N",
     ),
     Option(
         "--hang-timeout",
@@ -209,6 +236,7 @@ OPTIONS = [
         True,
         convert=_hang_timeout,
         help="seconds without progress before a hung job is stopped (0: off; default: from the step time)",
+        metavar="SECONDS",
     ),
     Option(
         "--time",
@@ -216,15 +244,26 @@ OPTIONS = [
         True,
         convert=_slurm_time,
         help="the Slurm job's time limit (minutes, HH:MM:SS, D-HH:MM:SS); at it the job checkpoints and continues",
+        metavar="LIMIT",
     ),
-    Option("--workdir", "workdir", True, help="the project folder synced to every node (default: .)"),
-    Option("--setup", "setup", True, repeat=True, help="a command run once per node per content (repeatable)"),
-    Option("--env", "env", True, repeat=True, help="NAME=VALUE for the job's processes (repeatable)"),
+    Option("--workdir", "workdir", True, help="the project folder synced to every node (default: .)", metavar="DIR"),
+    Option(
+        "--setup",
+        "setup",
+        True,
+        repeat=True,
+        help="a command run once per node per content (repeatable)",
+        metavar="CMD",
+    ),
+    Option(
+        "--env", "env", True, repeat=True, help="NAME=VALUE for the job's processes (repeatable)", metavar="NAME=VALUE"
+    ),
     Option(
         "--checkpoint-dir",
         "checkpoint_dir",
         True,
         help="the folder (in workdir) the program saves checkpoints in; default: $DTRAIN_CHECKPOINT_DIR's own",
+        metavar="DIR",
     ),
     Option(
         "--code-limit",
@@ -232,15 +271,16 @@ OPTIONS = [
         True,
         convert=_nonneg_int("--code-limit"),
         help="the most MB of working directory to sync (default 200)",
+        metavar="MB",
     ),
-    Option("--image", "image", True, help="run in this Docker image on every node (container mode)"),
+    Option("--image", "image", True, help="run in this Docker image on every node (container mode)", metavar="IMAGE"),
     Option("--accept-new-host-keys", "accept_new_host_keys", False, help="trust first-seen SSH host keys"),
     Option("--oversubscribe", "oversubscribe", False, help="allow more processes than cores (or GPUs)"),
 ]
 _BY_NAME = {o.name: o for o in OPTIONS}
 # `dtrain submit`'s own, besides OPTIONS: not dtrain train's, so `dtrain train train.py --name x` still gives
 # --name to the script.
-SUBMIT_OPTIONS = [Option("--name", "name", True, help="the Slurm job's name (default: the job's)")]
+SUBMIT_OPTIONS = [Option("--name", "name", True, help="the Slurm job's name (default: the job's)", metavar="NAME")]
 
 
 def parse_command_line(argv: Sequence[str], extra: Sequence[Option] = ()) -> Parsed:
@@ -298,8 +338,9 @@ def parse_command_line(argv: Sequence[str], extra: Sequence[Option] = ()) -> Par
         if name in options:
             options[name] = _env_pairs(options[name], "--env")
     if not head:
-        if not tail and options.get("resume"):
-            return Parsed(options, None, "", ())  # the resumed run's own job
+        if options.get("resume"):
+            # the resumed run's own job; what follows -- is added to the end of its program's line
+            return Parsed(options, None, "", tuple(tail))
         if not tail:
             raise UserError(
                 "nothing to run: give a script (dtrain train train.py), a module (-m pkg.train), "

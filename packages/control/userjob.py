@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.common import jobenv
-from dtrain.common.errors import ExitCode, UserError, stopped_as_asked
+from dtrain.common.errors import ExitCode, UserError, stop_outcome
 from dtrain.common.procs import dies_with_parent
 from dtrain.common.rundir import CHECKPOINTS, CKPT_PREFIX, read_json, run_disk_full, write_json
 from dtrain.common.storage import DiskFull, Store, is_remote
@@ -469,8 +469,5 @@ def exit_code(code: int, forwarded: list[int]) -> int:
     PREEMPTED (it was asked to stop and did: safe to resume); Ctrl-C is INTERRUPTED."""
     if signal.SIGINT in forwarded:
         return int(ExitCode.INTERRUPTED)
-    if signal.SIGTERM in forwarded and stopped_as_asked(code):
-        return int(ExitCode.PREEMPTED)
-    if code < 0:
-        return int(ExitCode.FAILURE)
-    return code
+    code = stop_outcome(code, signal.SIGTERM in forwarded)
+    return int(ExitCode.FAILURE) if code < 0 else code

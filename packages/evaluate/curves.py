@@ -13,10 +13,12 @@ import io
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtrain.common.errors import UserError
-from dtrain.common.storage import Store
+
+if TYPE_CHECKING:  # annotations only: the CLI reads this module's defaults for `dtrain --help`
+    from dtrain.common.storage import Store
 
 DEFAULT_WIDTH, DEFAULT_HEIGHT, DEFAULT_DPI = 1500, 500, 100
 DEFAULT_SMOOTHING = 0.6

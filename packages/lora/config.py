@@ -6,16 +6,11 @@ import dataclasses
 import enum
 
 from dtrain.common.config import RunConfig, opt
+from dtrain.lora.choices import Sharding, Switch
 
 
 def required(help: str) -> str:  # noqa: A002 - mirrors opt()
     return dataclasses.field(metadata={"help": help})  # type: ignore[return-value]
-
-
-class Switch(str, enum.Enum):
-    AUTO = "auto"
-    ON = "on"
-    OFF = "off"
 
 
 class Quant(str, enum.Enum):
@@ -31,12 +26,6 @@ class DataFormat(str, enum.Enum):
     TEXT = "text"
     INSTRUCTION = "instruction"
     CHAT = "chat"
-
-
-class Sharding(str, enum.Enum):
-    AUTO = "auto"
-    DDP = "ddp"
-    FSDP = "fsdp"
 
 
 @dataclasses.dataclass(kw_only=True)

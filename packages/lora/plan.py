@@ -502,6 +502,8 @@ def smallest_cluster(m: ModelShape, *, max_nodes: int | None = None, **settings:
         max_nodes = r["worker_count"]["max"] + 1
     found: list[Cluster] = []
     for name, a in r["accelerators"].items():
+        if settings.get("precision") == "bf16" and not _card(name).bf16:
+            continue  # it cannot run what was asked (plan() refuses it); the cards that can still may
         best: Cluster | None = None
         for nodes in _node_counts(max_nodes):
             for per_node in a["allowed_counts"]:

@@ -34,6 +34,7 @@ from dtrain.common import jobenv
 
 __all__ = [
     "checkpoint_dir",
+    "checkpoint_saved",
     "in_dtrain",
     "install_sigterm_flag",
     "is_main_process",
@@ -112,6 +113,45 @@ def checkpoint_dir() -> Path:
     path = Path(os.environ.get(jobenv.CHECKPOINT_DIR) or DEFAULT_CHECKPOINT_DIR)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def checkpoint_saved(path: str | os.PathLike[str]) -> None:
+    """Says that the checkpoint at `path` (a file or a folder under checkpoint_dir()), just written and closed,
+    is whole. dtrain then copies it to the run within seconds, whatever else in the directory is still
+    changing, instead of waiting for the directory to settle (docs/user-code.md). What is recorded is each
+    file's size and mtime as they are now, so a later change to them makes the checkpoint not whole again
+    until it is marked again. Call it from the process that saved; harmless outside dtrain."""
+    import fcntl
+
+    from dtrain.common.mirror import SDK_MARKER, is_temporary
+
+    root = checkpoint_dir().resolve()
+    target = Path(path).resolve()
+    try:
+        rel = target.relative_to(root).as_posix()
+    except ValueError:
+        raise ValueError(f"checkpoint_saved: {path} is not under the checkpoint directory {root}") from None
+    if rel == "." or not target.exists():
+        raise ValueError(f"checkpoint_saved: {path} is not a file or folder under {root}")
+    paths = [target] if target.is_file() else sorted(p for p in target.rglob("*") if p.is_file())
+    files = {}
+    for p in paths:
+        name = p.relative_to(root).as_posix()
+        if not any(is_temporary(part) for part in name.split("/")):
+            st = p.stat()
+            files[name] = [st.st_size, st.st_mtime_ns]
+    marker = root / SDK_MARKER
+    with open(root / f"{SDK_MARKER}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one writer at a time: each keeps the others' checkpoints
+        try:
+            units = json.loads(marker.read_text())["units"]
+        except (OSError, ValueError, KeyError, TypeError):
+            units = {}
+        units = {p: f for p, f in units.items() if (root / p).exists()}  # a removed checkpoint says nothing
+        units[rel] = files
+        tmp = root / f"{SDK_MARKER}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"units": units}))
+        os.replace(tmp, marker)
 
 
 def stop_requested() -> bool:

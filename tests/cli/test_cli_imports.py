@@ -42,3 +42,27 @@ def test_no_heavy_imports(tmp_path, argv):
     assert p.returncode == 0, p.stderr
     result = json.loads(p.stdout.rsplit("PROBE ", 1)[1])
     assert result == {"code": 0, "loaded": [], "tried": []}
+
+
+# What `dtrain --help` needs no part of: rich's console (the help is click's plain text), the settings'
+# dataclasses and the stores. Each was loaded for it once and cost a share of its start-up
+# (docs/decisions.md); a module here that comes back is a cost that came back, found without timing it.
+NOT_FOR_HELP = (
+    "rich.console",
+    "dtrain.control.settings",
+    "dtrain.common.config",
+    "dtrain.lora.config",
+    "dtrain.common.storage",
+    "dtrain.control.plots",
+)
+
+
+def test_top_level_help_loads_none_of_what_it_does_not_show(tmp_path):
+    probe = (
+        "import json, sys\nfrom dtrain.cli.main import run\ncode = run(['--help'])\n"
+        f"print('\\nPROBE ' + json.dumps([code, sorted(m for m in {NOT_FOR_HELP!r} if m in sys.modules)]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTRAIN_")}
+    p = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.rsplit("PROBE ", 1)[1]) == [0, []]

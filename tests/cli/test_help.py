@@ -41,3 +41,21 @@ def test_train_help_lists_every_setting_of_the_workload(tmp_path, workload):
     for key in schema().values():
         if key.section in ("run", workload):
             assert flag(key.name) in out, key.key
+
+
+@pytest.mark.parametrize("group", ["train", "submit"])
+def test_train_and_submit_help_list_every_program_option_with_its_meaning(tmp_path, group):
+    """`dtrain train --help` and `dtrain submit --help` parse their program line themselves
+    (dtrain.control.program); their help is a table of those options, one row each with its meaning, like
+    every other command's (it was one paragraph of names, and submit's named none)."""
+    from dtrain.control.program import OPTIONS, SUBMIT_OPTIONS
+
+    out = cli(tmp_path, group, "--help").out
+    table = out.split("\nOptions:\n", 1)[1].split("\nCommands:\n", 1)[0]
+    rows = dict(re.findall(r"^  (--[\w-]+(?: \S+)?)\s{2,}(\S.*)$", table, re.M))
+    given = [*OPTIONS, *(SUBMIT_OPTIONS if group == "submit" else [])]
+    for o in given:
+        name = f"{o.name} {o.metavar}" if o.takes_value else o.name
+        assert name in rows, (name, table)
+        assert o.help.startswith(rows[name].strip()), (name, rows[name])
+    assert ("--name NAME" in rows) == (group == "submit")

@@ -80,7 +80,12 @@ def final_weights(out: str) -> list[float]:
 
 def test_the_project_is_sent_once_and_its_requirements_installed_once_per_node(cwd: Path, emulator: str):
     out = bucket(emulator)
-    check = "import dtrain_bed_dep, os; print('DEP', dtrain_bed_dep.VALUE, os.environ['DTRAIN_NODE_RANK'])"
+    # dtrain.common.launch: the module torchrun starts a script's ranks with, from the env made on top of the
+    # node's (here the tests') editable dtrain install.
+    check = (
+        "import dtrain_bed_dep, dtrain.common.launch, os;"
+        " print('DEP', dtrain_bed_dep.VALUE, os.environ['DTRAIN_NODE_RANK'])"
+    )
     first = dtrain(cwd, emulator, "train", "--cluster", "bed", "--output", out, "--", "python", "-c", check)
     assert first.returncode == 0, first.stdout + first.stderr
     code = event_line(first.stdout, "code ")

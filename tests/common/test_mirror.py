@@ -38,10 +38,10 @@ def manifest(store: Store, node: int, seq: int) -> dict:
 
 
 def settle(m: Mirror) -> SyncResult:
-    """Two scans: the first sees the files changed, the second finds them settled."""
+    """At most two scans: a folder of one closed file is whole at once; files changed in place settle on the
+    second scan (the first sees them changed)."""
     first = m.sync()
-    assert first.manifest is None
-    return m.sync()
+    return first if first.manifest is not None else m.sync()
 
 
 def files_under(root: Path) -> dict[str, bytes]:
@@ -429,3 +429,156 @@ def test_the_view_reads_the_newest_complete_copies_in_place_as_restore_would_put
     (tmp_path / "run" / "checkpoints").mkdir()
     (tmp_path / "run" / "checkpoints" / "LATEST").write_bytes(b"step-00000009")
     assert checkpoints(run).read_bytes("LATEST") == b"step-00000009"  # written in place: read there
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys
+    f = open(sys.argv[1], "ab")
+    f.write(b"log line\\n")
+    f.flush()
+    print("open", flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def step_dir(local: Path, step: int, data: bytes) -> None:
+    """A checkpoint as dtrain.common.checkpoint writes one: state.pt, then meta.json listing it, then LATEST."""
+    d = local / f"step-{step:08d}"
+    d.mkdir(parents=True)
+    (d / "state.pt").write_bytes(data)
+    (d / "meta.json").write_text(json.dumps({"step": step, "files": {"state.pt": {"size": len(data)}}}))
+    (local / "LATEST").write_text(d.name)
+
+
+def test_a_checkpoint_that_says_it_is_whole_is_copied_while_the_rest_of_the_folder_still_changes(tmp_path):
+    """dtrain's step-N (meta.json) and HF Trainer's checkpoint-N (trainer_state.json) are copied at the first scan
+    that finds them whole, though a log in the same folder is open for writing the whole time; the old rule
+    waited for every file to settle, so a folder that never settled was never copied."""
+    local, store = tmp_path / "local", ckpt_store(tmp_path)
+    local.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(local / "train.log")], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout.readline() == b"open\n"
+        m = Mirror(local, store, node=0, interval_s=60, log=lambda _: None)
+        step_dir(local, 10, b"s" * 1000)
+        hf = local / "hf" / "checkpoint-40"
+        hf.mkdir(parents=True)
+        (hf / "model.safetensors").write_bytes(b"w" * 500)
+        first = m.sync(quick=True)  # HF's folder has no trainer_state.json yet: not whole
+        assert first.manifest == 1
+        assert sorted(manifest(store, 0, 1)["files"]) == ["step-00000010/meta.json", "step-00000010/state.pt"]
+        assert "train.log" in first.waiting and "LATEST" in first.waiting
+
+        (hf / "trainer_state.json").write_text('{"global_step": 40}')
+        step_dir(local, 20, b"t" * 1000)
+        second = m.sync(quick=True)
+        assert second.manifest == 2
+        assert sorted(manifest(store, 0, 2)["files"]) == [
+            "hf/checkpoint-40/model.safetensors",
+            "hf/checkpoint-40/trainer_state.json",
+            "step-00000010/meta.json",
+            "step-00000010/state.pt",
+            "step-00000020/meta.json",
+            "step-00000020/state.pt",
+        ]
+        # a step folder whose meta.json does not match its files (state.pt cut short) is not whole
+        (local / "step-00000020" / "state.pt").write_bytes(b"t" * 10)
+        third = m.sync(quick=True)
+        assert "step-00000020/state.pt" in third.waiting
+        out = tmp_path / "out"
+        restore(store, out, log=lambda _: None)
+        assert (out / "step-00000020" / "state.pt").read_bytes() == b"t" * 1000  # the whole copy, not the cut one
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_loose_files_replaced_by_a_rename_are_copied_at_once_and_in_place_writes_wait_to_settle(tmp_path):
+    """model.pt and optim.pt each saved the safe way (a temporary file, then a rename): whole when renamed. The
+    same two files rewritten in place may be caught between the two writes: they wait for the settle rule, and
+    until then the copy keeps the last pair, never a new model with an old optimizer."""
+    local, store = tmp_path / "local", ckpt_store(tmp_path)
+    local.mkdir()
+    m = Mirror(local, store, node=0, interval_s=60, log=lambda _: None)
+
+    def save(version: bytes, *, rename: bool) -> None:
+        for name in ("model.pt", "optim.pt"):
+            if rename:
+                (local / f"{name}.tmp").write_bytes(version + name.encode())
+                os.replace(local / f"{name}.tmp", local / name)
+            else:
+                (local / name).write_bytes(version + name.encode())
+
+    save(b"v1", rename=False)
+    assert settle(m).manifest == 1  # two files changed in place: the second (settle) scan
+    save(b"v2", rename=True)
+    assert m.sync(quick=True).manifest == 2  # renamed into place: whole at once
+    assert manifest(store, 0, 2)["files"]["optim.pt"]["sha256"] == sha(b"v2optim.pt")
+
+    (local / "model.pt").write_bytes(b"v3model.pt")  # in place, and optim.pt not yet rewritten
+    caught = m.sync(quick=True)
+    assert caught.manifest is None and caught.waiting == ("model.pt",)
+    out = tmp_path / "out"
+    restore(store, out, log=lambda _: None)
+    assert files_under(out) == {"model.pt": b"v2model.pt", "optim.pt": b"v2optim.pt"}
+
+
+def test_a_lone_closed_file_is_whole_while_the_job_runs_but_not_after_it_was_killed(tmp_path):
+    """A single checkpoint file saved in place is copied at the first scan that finds it closed; after a kill a
+    closed file may be one cut off mid-write, so close(final=False) keeps the settle rule for it."""
+    local, store = tmp_path / "local", ckpt_store(tmp_path)
+    local.mkdir()
+    m = Mirror(local, store, node=0, interval_s=60, log=lambda _: None)
+    (local / "ckpt.pt").write_bytes(b"v1" * 100)
+    assert m.sync(quick=True).manifest == 1
+    (local / "ckpt.pt").write_bytes(b"v2" * 100)
+    assert m.sync(quick=True).manifest == 2
+    (local / "ckpt.pt").write_bytes(b"v3-cut")
+    assert m.close(final=False).manifest is None
+
+
+def test_a_path_marked_by_the_sdk_is_copied_at_once_and_not_after_it_changed(tmp_path, monkeypatch):
+    from dtrain import sdk
+    from dtrain.common import jobenv
+
+    local, store = tmp_path / "local", ckpt_store(tmp_path)
+    monkeypatch.setenv(jobenv.CHECKPOINT_DIR, str(local))
+    local.mkdir()
+    (local / "progress.json").write_text("{}")  # two loose files changed in place: they would wait
+    (local / "notes.txt").write_text("x")
+    shard = local / "latest"
+    shard.mkdir()
+    (shard / "rank0.pt").write_bytes(b"a" * 10)
+    (shard / "rank1.pt").write_bytes(b"b" * 10)
+    m = Mirror(local, store, node=0, interval_s=60, log=lambda _: None)
+    assert m.sync(quick=True).manifest is None
+
+    sdk.checkpoint_saved(shard)
+    assert m.sync(quick=True).manifest == 1
+    assert sorted(manifest(store, 0, 1)["files"]) == ["latest/rank0.pt", "latest/rank1.pt"]
+    (shard / "rank0.pt").write_bytes(b"c" * 10)  # rewritten: not whole until marked again
+    assert "latest/rank0.pt" in m.sync(quick=True).waiting
+    sdk.checkpoint_saved(shard / "rank0.pt")  # a file too; the folder's own mark no longer matches it
+    with pytest.raises(ValueError, match="not under the checkpoint directory"):
+        sdk.checkpoint_saved(tmp_path)
+
+
+def test_the_thread_copies_a_whole_checkpoint_long_before_the_settle_interval(tmp_path):
+    """The thread looks every QUICK_SCAN_S for checkpoints that say they are whole: with a 60 s settle interval,
+    a step folder is copied within the deadline below (it used to wait for the next 60 s scan at least)."""
+    local, store = tmp_path / "local", ckpt_store(tmp_path)
+    local.mkdir()
+    m = Mirror(local, store, node=0, interval_s=60, log=lambda _: None)
+    m.start()
+    try:
+        step_dir(local, 5, b"s" * 100)
+        deadline = time.monotonic() + THREAD_DEADLINE_S
+        while not manifests(store) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert manifests(store) == ["node-00000/00000001.json"]
+    finally:
+        m.close()

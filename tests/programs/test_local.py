@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from projects import write_wheel
 from runs import assert_no_workers_left, dtrain, start
 
 from dtrain.common.errors import ExitCode
@@ -85,6 +87,92 @@ def test_a_torchrun_script_killed_mid_run_resumes_from_its_own_checkpoint_and_en
     assert final_weights(resumed.stdout) == expected
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "completed" and status["starts"] == 2
+
+
+def installed_editable() -> bool:
+    """Whether dtrain is installed here as scripts/setup.sh installs it: `pip install -e` (PEP 610's
+    direct_url.json says so)."""
+    from importlib.metadata import distribution
+
+    direct = distribution("dtrain").read_text("direct_url.json") or "{}"
+    return bool(json.loads(direct).get("dir_info", {}).get("editable"))
+
+
+def test_a_script_with_a_requirements_txt_runs_under_the_readmes_editable_install(tmp_path: Path):
+    """The README installs dtrain editable. A project's requirements go into a venv made on top of that
+    one, and torchrun starts the ranks through dtrain's own module from it, so that venv must see an
+    editable dtrain (it did not: `No module named 'dtrain'`, exit 1)."""
+    assert installed_editable(), "the tests run under scripts/setup.sh's editable install (pip install -e)"
+    proj = tmp_path / "proj"
+    write_wheel(proj / "wheels", "dtrain_local_dep", "0.1", "VALUE = 7\n")
+    (proj / "requirements.txt").write_text("--no-index\n--find-links wheels\ndtrain-local-dep==0.1\n")
+    script = "import dtrain_local_dep, os\nprint('DEP', dtrain_local_dep.VALUE, os.environ['RANK'])\n"
+    (proj / "t.py").write_text(script)
+    cache = tmp_path / "xdg-cache"
+    r = dtrain(["train", "t.py", "--nproc", "2", "--output", str(tmp_path / "out")], proj, XDG_CACHE_HOME=str(cache))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "requirements installed" in r.stdout, r.stdout
+    assert sorted(re.findall(r"DEP 7 (\d)", r.stdout)) == ["0", "1"], r.stdout
+    assert len(list((cache / "dtrain" / "envs").glob("*/.dtrain-ready"))) == 1
+
+
+def printed_resume_line(text: str) -> list[str]:
+    m = re.search(r"`(dtrain train [^`]*--resume [^`]*)`", text)
+    assert m, text
+    return shlex.split(m.group(1))[1:]
+
+
+def test_the_resume_line_printed_for_a_run_given_output_works_as_printed(tmp_path: Path):
+    """`--output DIR` puts the run at DIR/<id>, where a bare id is not looked for: the line names the run
+    by its place, and running it exactly, from the same folder, continues the run."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    # fails on its first start, succeeds when continued
+    (proj / "t.py").write_text(
+        "import os, sys\nif not os.path.exists('started'):\n    open('started', 'w').close()\n    sys.exit(1)\n"
+        "print('CONTINUED', os.environ['DTRAIN_RUN'])\n"
+    )
+    first = dtrain(["train", "t.py", "--nproc", "1", "--output", "elsewhere"], proj)
+    assert first.returncode == 1, first.stdout + first.stderr
+    run = run_dir(proj / "elsewhere", "t")
+    line = printed_resume_line(first.stderr)
+    assert line == ["train", "--resume", f"./elsewhere/{run.name}"], first.stderr
+    again = dtrain(line, proj)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"CONTINUED {run.name}" in again.stdout
+    assert json.loads((run / "status.json").read_text())["state"] == "completed"
+
+
+def test_resume_with_arguments_after_the_separator_adds_them_to_the_runs_own_program_line(tmp_path: Path):
+    """`dtrain train --resume RUN -- ARGS` (an HF Trainer user's `-- --resume_from_checkpoint DIR`): the run's
+    program again, its own arguments first and ARGS after them; it took ARGS for a command to run instead
+    (`--resume_from_checkpoint: command not found`)."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "t.py").write_text(
+        "import os, sys\nprint('ARGV', *sys.argv[1:])\n"
+        "if not os.path.exists('started'):\n    open('started', 'w').close()\n    sys.exit(1)\n"
+    )
+    first = dtrain(["train", "t.py", "--lr", "1", "--nproc", "1"], proj)
+    assert first.returncode == 1, first.stdout + first.stderr
+    run = run_dir(proj / "runs", "t")
+    again = dtrain(["train", "--resume", run.name, "--", "--resume_from_checkpoint", "ckpt/checkpoint-20"], proj)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "ARGV --lr 1 --resume_from_checkpoint ckpt/checkpoint-20" in again.stdout, again.stdout
+    assert json.loads((run / "status.json").read_text())["state"] == "completed"
+
+
+def test_a_program_that_exits_3_unasked_failed_and_was_not_preempted(tmp_path: Path):
+    """Exit 3 is "preempted: safe to resume" only for a stop that was asked for. A rank that exits 3 by
+    itself was recorded preempted, with a resume hint, though nobody asked it to stop."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "t.py").write_text("import os, sys\nif os.environ['RANK'] == '1':\n    sys.exit(3)\n")
+    r = dtrain(["train", "t.py", "--nproc", "2"], proj)
+    assert r.returncode == ExitCode.FAILURE, r.stdout + r.stderr
+    status = json.loads((run_dir(proj / "runs", "t") / "status.json").read_text())
+    assert (status["state"], status["exit_code"]) == ("failed", 1), status
+    assert " failed (exit 1)" in r.stderr and "stopped" not in r.stderr, r.stderr
 
 
 @pytest.mark.slow
