@@ -110,6 +110,15 @@ ACCESS_PERMISSIONS = {
     "compute.instances.osAdminLogin": ("roles/compute.osAdminLogin", "logging in to the nodes"),
     "iap.tunnelInstances.accessViaIAP": ("roles/iap.tunnelResourceAccessor", "logging in to the nodes"),
 }
+# A zone without capacity for the VM (a stockout), as Compute reports it: the operation's error code, or
+# the words of its message when the error comes back on the request itself (a 503) or through Terraform.
+# ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS is the same stockout with "'(resource type:compute)'" added to
+# the message (https://cloud.google.com/compute/docs/troubleshooting/troubleshooting-resource-availability).
+# Every place that asks "is this a stockout?" asks `is_stockout`.
+STOCKOUT_CODES = frozenset({"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS", "STOCKOUT"})
+STOCKOUT_RE = re.compile(
+    r"\b(?:ZONE_RESOURCE_POOL_EXHAUSTED(?:_WITH_DETAILS)?|STOCKOUT)\b|does not have enough resources available"
+)
 REQUIRE_OS_LOGIN = "constraints/compute.requireOsLogin"
 EXTERNAL_IP_ACCESS = "constraints/compute.vmExternalIpAccess"
 
@@ -341,6 +350,12 @@ _API_NAMES = {
     "cloudresourcemanager.googleapis.com": "Cloud Resource Manager API",
     "oslogin.googleapis.com": "OS Login API",
 }
+
+
+def is_stockout(code: str = "", message: str = "") -> bool:
+    """Whether an error (an operation's error code and message, or any error text) says the zone has no
+    capacity for the VM now."""
+    return code in STOCKOUT_CODES or STOCKOUT_RE.search(message or "") is not None
 
 
 def _api_message(exc: Any) -> str:
