@@ -27,7 +27,8 @@ DTRAIN_GCP_API_ENDPOINT; their paths do not collide), from the same world:
 
   - Service Usage services.batchGet (which APIs are enabled: all but `disabled_services`);
   - Resource Manager v1 projects.getEffectiveOrgPolicy (`org_policies`, v1 JSON by constraint) and
-    projects.testIamPermissions (the asked permissions that are in `granted`, all when it is None);
+    projects.testIamPermissions (the asked permissions the caller holds: by member, from `grants`, the
+    caller being `identity`; `granted` for a member not in it, all when it is None);
   - OS Login v1 users.importSshPublicKey / users.getLoginProfile / users.sshPublicKeys.delete, one
     profile per e-mail with a POSIX username derived from it as Google does (dev@example.com ->
     dev_example_com) and keys by SHA-256 fingerprint;
@@ -150,6 +151,18 @@ def in_use(resource: str, user: str) -> dict:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Grant:
+    """What one member holds on the project: exactly `only` (when not None), else every permission but
+    `but` (a member whose roles lack a few permissions, as an Editor lacks the IAM-admin ones)."""
+
+    only: frozenset[str] | None = None
+    but: frozenset[str] = frozenset()
+
+    def holds(self, permission: str) -> bool:
+        return permission in self.only if self.only is not None else permission not in self.but
+
+
 @dataclasses.dataclass
 class Fault:
     """Answer requests matching `method` and `path` (a regex searched in the path) with `body`,
@@ -264,7 +277,10 @@ class ComputeWorld:
         self.project_number = "123456789012"
         self.disabled_services: set[str] = set()
         self.org_policies: dict[str, dict] = {}  # "constraints/compute.requireOsLogin" -> v1 Policy JSON
-        self.granted: set[str] | None = None  # permissions the caller holds; None: all
+        # testIamPermissions answers by member: the caller is `identity` (whom userinfo names too), and
+        # `grants` says what each member holds (see holds); a member not in it holds `granted` (None: all).
+        self.granted: set[str] | None = None
+        self.grants: dict[str, Grant] = {}
         self.identity = "dev@example.com"
         self.os_login: dict[str, dict] = {}  # e-mail -> {"username", "keys": {fingerprint: key}}
         # instances.start/stop (see start_instance): refusals left per instance name (None: every one),
@@ -531,6 +547,17 @@ class ComputeWorld:
             raise ValueError(f"refuse_starts: no refusal {code!r} (one of {', '.join(START_REFUSALS)})")
         self.start_refusals[name] = times
         self.refusal_code = code
+
+    def grant(self, member: str, *, only: Any = None, but: Any = ()) -> None:
+        """Member ("user:a@example.com") holds exactly `only`, or every permission but `but`."""
+        self.grants[member] = Grant(None if only is None else frozenset(only), frozenset(but))
+
+    def holds(self, permission: str) -> bool:
+        """Whether the caller (`identity`) holds `permission` on the project."""
+        grant = self.grants.get(f"user:{self.identity}")
+        if grant is not None:
+            return grant.holds(permission)
+        return self.granted is None or permission in self.granted
 
     def fail_status_once(self) -> None:
         """The next instances list or get answers 500 (a transient error of the API that the client
@@ -1085,7 +1112,7 @@ class _Handler(BaseHTTPRequestHandler):
                 )
             )  # fmt: skip
         asked = self.body.get("permissions", [])
-        held = [p for p in asked if self.world.granted is None or p in self.world.granted]
+        held = [p for p in asked if self.world.holds(p)]
         return {"permissions": held} if held else {}
 
     # -- IAM custom roles

@@ -241,27 +241,18 @@ def _access_check(ctx: Context, report: PreflightReport, derived: dict[str, Any]
         else:
             report.passed.append(f"reach: IAP TCP forwarding, through {gcloud}")
 
-    wanted = [
-        p
-        for p, needed in (
-            ("compute.instances.osAdminLogin", os_login),
-            ("iap.tunnelInstances.accessViaIAP", not s.external_ip),
-            ("iam.roles.create", True),
-        )
-        if needed
-    ]
+    nat = bool(derived.get("nat", not s.external_ip))
+    groups = api.up_permissions(nat=nat, external_ip=s.external_ip, os_login=os_login)
+    wanted = list(dict.fromkeys(p for g in groups for p in g.permissions))
     try:
         missing = api.missing_permissions(ctx.api, wanted)
     except UserError as e:
         missing = []
         report.notes.append(f"could not check your permissions ({e})")
-    for permission in missing:
-        role, purpose = api.ACCESS_PERMISSIONS[permission]
-        _config_problem(
-            report,
-            f"you lack {permission} on project {ctx.project}, which {purpose} needs: ask for {role} "
-            f"(gcloud projects add-iam-policy-binding {ctx.project} --member=user:YOU --role={role})",
-        )
+    if missing:
+        _config_problem(report, api.missing_permissions_line(ctx.project, groups, missing))
+    else:
+        report.passed.append(f"permissions: all {len(wanted)} that dtrain up needs")
     if os_login:
         off = api.disabled_services(ctx.api, ["oslogin.googleapis.com"])
         if off:
