@@ -56,19 +56,8 @@ def test_the_list_covers_every_resource_infra_creates():
 
 
 @pytest.fixture
-def ctx(gcp, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    from dtrain.control.gcp import lifecycle
-    from dtrain.control.settings import cluster_config
-
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
-    for name in ("DTRAIN_GCP_COMPUTE_ENDPOINT", "DTRAIN_GCP_API_ENDPOINT"):
-        monkeypatch.setenv(name, gcp.endpoint)
-    toml = tmp_path / "dtrain.toml"
-    toml.write_text(
-        f'[clusters.demo]\nbackend = "gcp"\nproject = "{gcp.project}"\nzone = "{ZONE}"\n'
-        'ssh_source_ranges = ["203.0.113.7/32"]\n'
-    )
-    return lifecycle.context(cluster_config(toml, "demo"))
+def ctx(cluster_ctx):
+    return cluster_ctx()
 
 
 def access_problems(ctx) -> list[str]:

@@ -276,6 +276,9 @@ STOCKOUT_RE = re.compile(
 )
 REQUIRE_OS_LOGIN = "constraints/compute.requireOsLogin"
 EXTERNAL_IP_ACCESS = "constraints/compute.vmExternalIpAccess"
+# Enforced, it refuses new VMs without Secure Boot, vTPM and integrity monitoring
+# (https://cloud.google.com/resource-manager/docs/organization-policy/org-policy-constraints).
+REQUIRE_SHIELDED_VM = "constraints/compute.requireShieldedVm"
 
 
 # --------------------------------------------------------------------------------------------
