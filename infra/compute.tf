@@ -59,6 +59,10 @@ resource "google_compute_instance" "node" {
     scopes = ["cloud-platform"]
   }
 
+  # Secure Boot is off on GPU nodes (module.plan.secure_boot): it loads only kernel modules signed by a key
+  # the firmware trusts, which Google documents for its Secure Boot driver steps
+  # (https://cloud.google.com/compute/docs/gpus/install-drivers-gpu#secure-boot), not for the Deep Learning VM
+  # image. Where constraints/compute.requireShieldedVm is enforced, `dtrain preflight` refuses GPU nodes.
   shielded_instance_config {
     enable_secure_boot          = module.plan.secure_boot
     enable_vtpm                 = true

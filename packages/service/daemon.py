@@ -260,11 +260,13 @@ class Service:
         for note in notes:
             self._record(note)
         for action in actions:
-            self._act(action)
+            self._act(action, now)
         self._write_state()
         return actions
 
-    def _act(self, action: Action) -> None:
+    def _act(self, action: Action, now: float) -> None:
+        """Do one action and record its outcome at the poll's time `now` (one clock per poll: the outcome's
+        times are compared with the next polls' `now`)."""
         from dtrain.control.gcp import instances
 
         name, zone = action.node, self.cfg.zone
@@ -272,13 +274,11 @@ class Service:
             try:
                 instances.start(self.gcp, zone, name)
             except instances.NoCapacity as e:
-                note = logic.start_failed(self.state, name, time.time(), str(e), no_capacity=True)
+                note = logic.start_failed(self.state, name, now, str(e), no_capacity=True)
             except Exception as e:  # noqa: BLE001 - recorded, tried again after the backoff
-                note = logic.start_failed(
-                    self.state, name, time.time(), instances.describe(self.gcp, e), no_capacity=False
-                )
+                note = logic.start_failed(self.state, name, now, instances.describe(self.gcp, e), no_capacity=False)
             else:
-                note = logic.started(self.state, name, time.time())
+                note = logic.started(self.state, name, now)
             if note:
                 self._record(note)
         elif action.kind == "resume":
@@ -289,11 +289,11 @@ class Service:
             err = (p.stderr or "").strip()
             # "Invalid node state specified": it is already back (ReturnToService=2 returns it at registration).
             if p.returncode == 0 or "Invalid node state" in err:
-                self._record(logic.resumed(self.state, name, time.time()))
+                self._record(logic.resumed(self.state, name, now))
             else:
                 self.events.warning(f"scontrol resume {name}: {err}")
         elif action.kind in ("stop", "delete"):
-            why = self.state.stop_reason or f"idle since {logic.hhmm(self.state.idle_since or time.time())}"
+            why = self.state.stop_reason or f"idle since {logic.hhmm(self.state.idle_since or now)}"
             self._record(Note("autostop", name, f"autostop: {action.kind} {name} ({why})"))
             if name == self.cfg.master:
                 self.state.stopped = True

@@ -12,10 +12,14 @@ Rules (docs/service.md says why):
   - Autostop: idle means no job that can still run (running, or pending on a reason that can clear) and
     no login session, with no node in recovery and every check answered, for `autostop_s`. Then the
     workers stop, and the master last (it is the machine this runs on).
-  - A Spot stockout does not keep the cluster up for ever: once a node has waited for capacity for
-    `capacity_wait_s` (the `capacity_wait` key, default 2 h), autostop fires anyway, unless a job is
-    running or someone is logged in. The jobs pending for the missing node stay in Slurm's queue (on the
-    master's disk with "stop"): the next `dtrain up`/`submit` starts the cluster and they run.
+  - A node that cannot come back does not keep the cluster up for ever: once a node has been out of
+    service for `capacity_wait_s` (the `capacity_wait` key, default 2 h), autostop fires anyway, unless a
+    job is running or someone is logged in. Out of service means from its first preemption until it has
+    been back in Slurm for RECOVERED_S, whatever kept it out: a stockout, a start refused for another
+    reason (QUOTA_EXCEEDED when another VM took the freed preemptible quota: "start-failed"), or a node
+    preempted again soon after each start (a successful start does not reset the wait). The jobs pending
+    for the missing node stay in Slurm's queue (on the master's disk with "stop"): the next `dtrain
+    up`/`submit` starts the cluster and they run.
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ from typing import Any
 
 START_BACKOFF_S = 5.0
 START_BACKOFF_CAP_S = 300.0
-CAPACITY_WAIT_S = 2 * 3600.0  # the default bound on waiting for Spot capacity before autostop fires
+CAPACITY_WAIT_S = 2 * 3600.0  # the default bound on waiting for a node to come back before autostop fires
+# A node back in Slurm for this long has come back: its next preemption starts a new wait. Shorter stays
+# (preempted again soon after each start) add up to one wait, so they cannot hold the cluster up for ever.
+RECOVERED_S = 30 * 60.0
 
 # A pending job waiting on one of these reasons will not run without someone acting (a hold, a request the
 # cluster can never satisfy, a dependency that failed): it does not keep the cluster up (skypilot#9926).
@@ -89,7 +96,9 @@ class NodeTrack:
     restarts: int = 0
     attempts: int = 0  # failed starts since the preemption
     next_try: float = 0.0
-    capacity_since: float | None = None
+    capacity_since: float | None = None  # waiting for Spot capacity since (this stockout)
+    down_since: float | None = None  # out of service since: its first preemption of this bout (RECOVERED_S)
+    back_at: float = 0.0  # when it was last returned to Slurm
     last_error: str = ""
     preempted_at: str = ""
     jobs: list[str] = dataclasses.field(default_factory=list)  # the jobs it ran when it was preempted
@@ -181,9 +190,12 @@ def decide(state: State, seen: Seen, now: float) -> tuple[list[Action], list[Not
         t = state.track(name)
         if vm is None:
             continue
+        if t.phase == "ok" and t.down_since is not None and now - t.back_at >= RECOVERED_S:
+            t.down_since = None  # it came back
         if vm.preempted and vm.status in ("TERMINATED", "STOPPED"):
             if t.phase in ("ok", "returning"):
                 jobs = _jobs_on(state, name, seen)
+                t.down_since = t.down_since or now  # kept when it was back only briefly
                 t.phase, t.attempts, t.next_try = "starting", 0, now
                 t.capacity_since, t.last_error, t.preempted_at, t.jobs = None, "", vm.preempted_at or "", jobs
                 notes.append(Note("preempted", name, f"node {name} was preempted (Spot)", tuple(jobs)))
@@ -194,6 +206,8 @@ def decide(state: State, seen: Seen, now: float) -> tuple[list[Action], list[Not
                 actions.append(Action("resume", name))
         elif t.phase in ("starting", "waiting-capacity", "start-failed") and vm.status == "RUNNING":
             t.phase = "returning"  # started by someone else (dtrain up/submit): return it to Slurm
+        if t.phase != "ok" and t.down_since is None:
+            t.down_since = t.capacity_since or now  # a state file from before down_since
 
     _autostop(state, seen, now, actions)
     return actions, notes
@@ -208,10 +222,17 @@ def _jobs_on(state: State, node: str, seen: Seen) -> list[str]:
     return sorted(jobs, key=int)
 
 
-def capacity_wait_since(state: State) -> float | None:
-    """Since when a node has been waiting for Spot capacity (the longest wait), or None."""
-    waits = [t.capacity_since for t in state.nodes.values() if t.phase == "waiting-capacity" and t.capacity_since]
-    return min(waits) if waits else None
+def waiting_for(state: State) -> tuple[float, str] | None:
+    """(since when, what for) while a node is out of service: the longest wait (a node's down_since), and
+    "Spot capacity" when a node waits for it, else the nodes that have not come back. None: every node is
+    in service."""
+    out = {n: t for n, t in state.nodes.items() if t.phase != "ok" and t.down_since is not None}
+    if not out:
+        return None
+    since = min(t.down_since for t in out.values())
+    if any(t.phase == "waiting-capacity" for t in out.values()):
+        return since, "Spot capacity"
+    return since, f"{', '.join(sorted(out))} to come back"
 
 
 def _autostop(state: State, seen: Seen, now: float, actions: list[Action]) -> None:
@@ -220,15 +241,17 @@ def _autostop(state: State, seen: Seen, now: float, actions: list[Action]) -> No
     unknown = seen.jobs is None or seen.sessions is None
     recovering = any(t.phase != "ok" for t in state.nodes.values())
     working = bool(seen.sessions) or any(j.keeps_busy and j.state != "PENDING" for j in seen.jobs or ())
-    waiting_since = capacity_wait_since(state)
-    if waiting_since is not None and state.capacity_wait_s is not None and not unknown and not working:
-        # A stockout: the jobs pending for the missing node cannot run, and the on-demand master bills
-        # meanwhile. Bounded: after capacity_wait_s of waiting, stop anyway.
+    waiting = waiting_for(state)
+    if waiting is not None and state.capacity_wait_s is not None and not unknown and not working:
+        # A node that does not come back (a stockout, a refused start, preempted again after each start):
+        # the jobs pending for it cannot run, and the on-demand master bills meanwhile. Bounded: after
+        # capacity_wait_s out of service, stop anyway.
+        since, what = waiting
         state.idle_since = None
-        state.autostop_at = waiting_since + state.capacity_wait_s
+        state.autostop_at = since + state.capacity_wait_s
         if now >= state.autostop_at:
             actions[:] = [a for a in actions if a.kind != "start"]
-            _stop_all(state, seen, actions, f"waiting for Spot capacity since {hhmm(waiting_since)}")
+            _stop_all(state, seen, actions, f"waiting for {what} since {hhmm(since)}")
         return
     busy = unknown or recovering or working or any(j.keeps_busy for j in seen.jobs or ())
     if busy:
@@ -283,7 +306,7 @@ def start_failed(state: State, name: str, now: float, message: str, *, no_capaci
 
 def resumed(state: State, name: str, now: float) -> Note:
     t = state.track(name)
-    t.phase, t.last_action, t.last_action_at = "ok", "returned to Slurm", now
+    t.phase, t.last_action, t.last_action_at, t.back_at = "ok", "returned to Slurm", now, now
     jobs, t.jobs = tuple(t.jobs), []
     return Note("resumed", name, f"node {name} is back in Slurm: its requeued jobs resume from their checkpoints", jobs)
 
@@ -316,16 +339,19 @@ def describe(state: State, now: float) -> list[str]:
         if t.restarts:
             lines.append(f"{name}: {t.restarts} restart(s) after preemption; last: {t.last_action} at "
                          f"{hhmm(t.last_action_at)}")  # fmt: skip
-    waiting_since = capacity_wait_since(state)
+    waiting = waiting_for(state)
     if state.autostop_s is None:
         lines.append("autostop: off")
-    elif waiting_since is not None and state.capacity_wait_s is not None and not state.stopping:
-        at = waiting_since + state.capacity_wait_s
-        lines.append(f"autostop: waiting for Spot capacity since {hhmm(waiting_since)}, autostop in "
-                     f"{_duration(max(0.0, at - now), rounded=True)} (at {hhmm(at)}) unless a job runs or capacity "
-                     f"returns; {state.autostop_action} then")  # fmt: skip
-    elif waiting_since is not None and state.capacity_wait_s is None and not state.stopping:
-        lines.append(f"autostop: waiting for Spot capacity since {hhmm(waiting_since)}; no bound (capacity_wait = off)")
+    elif waiting is not None and state.capacity_wait_s is not None and not state.stopping:
+        since, what = waiting
+        at = since + state.capacity_wait_s
+        back = "capacity returns" if what == "Spot capacity" else "they return"
+        lines.append(f"autostop: waiting for {what} since {hhmm(since)}, autostop in "
+                     f"{_duration(max(0.0, at - now), rounded=True)} (at {hhmm(at)}) unless a job runs or {back}; "
+                     f"{state.autostop_action} then")  # fmt: skip
+    elif waiting is not None and state.capacity_wait_s is None and not state.stopping:
+        since, what = waiting
+        lines.append(f"autostop: waiting for {what} since {hhmm(since)}; no bound (capacity_wait = off)")
     elif state.autostop_at and not state.stopping:
         since, at = hhmm(state.idle_since or now), hhmm(state.autostop_at)
         lines.append(f"autostop: idle since {since}; {state.autostop_action} at {at}")

@@ -109,7 +109,7 @@ def test_preflight_without_external_ips_needs_gcloud_and_the_tunnel_permission(c
         "TCP forwarding, which needs the Google Cloud CLI: install gcloud (https://cloud.google.com/sdk/docs/install) "
         "and run gcloud auth login, or set external_ip = true"
     )
-    world.granted = {"compute.instances.osAdminLogin"}  # not iap.tunnelInstances.accessViaIAP
+    world.grant("user:dev@example.com", but={"iap.tunnelInstances.accessViaIAP"})
     r = cli(table, "preflight", "--cluster", "demo", gcloud=True)
     assert r.returncode == 2, r.stdout + r.stderr
     assert last_line(r) == (
@@ -117,7 +117,7 @@ def test_preflight_without_external_ips_needs_gcloud_and_the_tunnel_permission(c
         "needs: ask for roles/iap.tunnelResourceAccessor (gcloud projects add-iam-policy-binding dtrain-test "
         "--member=user:YOU --role=roles/iap.tunnelResourceAccessor)"
     )
-    world.granted = None
+    world.grants.clear()
     r = cli(table, "preflight", "--cluster", "demo", gcloud=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"  ok reach: IAP TCP forwarding, through {Path(cli.gcloud_log).parent / 'bin' / 'gcloud'}" in r.stdout
@@ -239,7 +239,7 @@ def test_preflight_needs_the_permission_to_create_the_service_role(cli, world):
     """`up` creates the cluster service's custom role (infra/iam.tf): without iam.roles.create, preflight says
     so in seconds instead of Terraform failing mid-apply."""
     table = TABLE.format(state="tfstate-role")
-    world.granted = {"compute.instances.osAdminLogin", "iap.tunnelInstances.accessViaIAP"}
+    world.grant("user:dev@example.com", but={"iam.roles.create"})
     r = cli(table, "preflight", "--cluster", "demo")
     assert r.returncode == 2, r.stdout + r.stderr
     assert last_line(r) == (
@@ -247,19 +247,19 @@ def test_preflight_needs_the_permission_to_create_the_service_role(cli, world):
         "(infra/iam.tf) needs: ask for roles/iam.roleAdmin (gcloud projects add-iam-policy-binding dtrain-test "
         "--member=user:YOU --role=roles/iam.roleAdmin)"
     )
-    world.granted = None
+    world.grants.clear()
     r = cli(table, "preflight", "--cluster", "demo")
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_os_login_needs_the_admin_login_permission_and_its_api(cli, world):
     table = TABLE.format(state="tfstate-osl2") + "os_login = true\n"
-    world.granted = set()
+    world.grant("user:dev@example.com", but={"compute.instances.osAdminLogin"})
     r = cli(table, "preflight", "--cluster", "demo")
     assert r.returncode == 2, r.stdout + r.stderr
     assert "error: you lack compute.instances.osAdminLogin on project dtrain-test" in last_line(r)
     assert "ask for roles/compute.osAdminLogin" in last_line(r)
-    world.granted = None
+    world.grants.clear()
     world.disabled_services = {"oslogin.googleapis.com"}
     r = cli(table, "preflight", "--cluster", "demo")
     assert r.returncode == 2, r.stdout + r.stderr

@@ -15,10 +15,11 @@ really does what the API does with it:
     API's 400 resourceInUseByAnotherResource; unknown resources are 404 with the API's message;
   - faults the tests inject answer with Compute's error JSON (403 SERVICE_DISABLED, permission
     denied, ...);
-  - instances.start/stop go through operations (RUNNING <-> TERMINATED); a start can be refused for lack
-    of capacity (the operation ends with ZONE_RESOURCE_POOL_EXHAUSTED, as Compute's does) and calls the
-    test's `on_start` hook once done; `mark_preempted` makes a confirmed preemption; `fail_status_once`
-    makes the next instances list/get a 500;
+  - instances.start/stop go through operations (RUNNING <-> TERMINATED); a start can be refused as Compute
+    refuses it (the operation ends with ZONE_RESOURCE_POOL_EXHAUSTED, ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS
+    or QUOTA_EXCEEDED) and calls the test's `on_start` hook once done; starting a RUNNING VM changes
+    nothing; `mark_preempted` makes a confirmed preemption; `fail_status_once` makes the next instances
+    list/get a 500;
   - every request is recorded (method, path, query) for assertions.
 
 The same server also answers the other Google REST APIs dtrain calls (given to dtrain as
@@ -26,7 +27,8 @@ DTRAIN_GCP_API_ENDPOINT; their paths do not collide), from the same world:
 
   - Service Usage services.batchGet (which APIs are enabled: all but `disabled_services`);
   - Resource Manager v1 projects.getEffectiveOrgPolicy (`org_policies`, v1 JSON by constraint) and
-    projects.testIamPermissions (the asked permissions that are in `granted`, all when it is None);
+    projects.testIamPermissions (the asked permissions the caller holds: by member, from `grants`, the
+    caller being `identity`; `granted` for a member not in it, all when it is None);
   - OS Login v1 users.importSshPublicKey / users.getLoginProfile / users.sshPublicKeys.delete, one
     profile per e-mail with a POSIX username derived from it as Google does (dev@example.com ->
     dev_example_com) and keys by SHA-256 fingerprint;
@@ -52,12 +54,25 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 GOOGLEAPIS = "https://www.googleapis.com/compute/v1"
 DEFAULT_TIME = "2025-01-01T00:00:00.000-08:00"
-# How a start operation ends when the zone has no capacity for the VM (the operation's error, code
-# ZONE_RESOURCE_POOL_EXHAUSTED; HTTP 503 in httpErrorStatusCode).
+# How a start operation ends when it is refused (refuse_starts): the operation's error code -> (message,
+# httpErrorStatusCode, httpErrorMessage). A stockout is ZONE_RESOURCE_POOL_EXHAUSTED or, as Compute also
+# answers, ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS with the resource type in the message
+# (https://cloud.google.com/compute/docs/troubleshooting/troubleshooting-resource-availability); a start
+# refused for quota (another VM took the freed preemptible quota) is QUOTA_EXCEEDED, HTTP 403.
 ZONE_EXHAUSTED = (
     "The zone 'projects/{project}/zones/{zone}' does not have enough resources available to fulfill the "
     "request.  Try a different zone, or try again later."
 )
+START_REFUSALS = {
+    "ZONE_RESOURCE_POOL_EXHAUSTED": (ZONE_EXHAUSTED, 503, "SERVICE UNAVAILABLE"),
+    "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS": (
+        "The zone 'projects/{project}/zones/{zone}' does not have enough resources available to fulfill the "
+        "request. '(resource type:compute)'.",
+        503,
+        "SERVICE UNAVAILABLE",
+    ),
+    "QUOTA_EXCEEDED": ("Quota 'PREEMPTIBLE_CPUS' exceeded.  Limit: 8.0 in region {region}.", 403, "FORBIDDEN"),
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,6 +149,18 @@ def in_use(resource: str, user: str) -> dict:
         "resourceInUseByAnotherResource",
         "FAILED_PRECONDITION",
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Grant:
+    """What one member holds on the project: exactly `only` (when not None), else every permission but
+    `but` (a member whose roles lack a few permissions, as an Editor lacks the IAM-admin ones)."""
+
+    only: frozenset[str] | None = None
+    but: frozenset[str] = frozenset()
+
+    def holds(self, permission: str) -> bool:
+        return permission in self.only if self.only is not None else permission not in self.but
 
 
 @dataclasses.dataclass
@@ -250,12 +277,16 @@ class ComputeWorld:
         self.project_number = "123456789012"
         self.disabled_services: set[str] = set()
         self.org_policies: dict[str, dict] = {}  # "constraints/compute.requireOsLogin" -> v1 Policy JSON
-        self.granted: set[str] | None = None  # permissions the caller holds; None: all
+        # testIamPermissions answers by member: the caller is `identity` (whom userinfo names too), and
+        # `grants` says what each member holds (see holds); a member not in it holds `granted` (None: all).
+        self.granted: set[str] | None = None
+        self.grants: dict[str, Grant] = {}
         self.identity = "dev@example.com"
         self.os_login: dict[str, dict] = {}  # e-mail -> {"username", "keys": {fingerprint: key}}
         # instances.start/stop (see start_instance): refusals left per instance name (None: every one),
         # and what the test does when an instance starts (revive its test-bed host).
         self.start_refusals: dict[str | None, int] = {}
+        self.refusal_code = "ZONE_RESOURCE_POOL_EXHAUSTED"  # how refused starts end (START_REFUSALS)
         self.on_start: Any = None  # fn(zone, name), called in a thread of its own once the start is done
         self.on_stop: Any = None  # fn(zone, name), the same once a stop is done (the test crashes the host)
         self.status_failures = 0  # instances list/get answered with a 500 this many times
@@ -508,10 +539,25 @@ class ComputeWorld:
         timed after its last start, so dtrain sees a confirmed preemption."""
         self.preempt(zone, name, now_rfc3339())
 
-    def refuse_starts(self, times: int, name: str | None = None) -> None:
-        """The next `times` starts (of `name`, or of any instance) end as Compute ends them when the zone
-        has no capacity: the operation finishes DONE with a ZONE_RESOURCE_POOL_EXHAUSTED error."""
+    def refuse_starts(self, times: int, name: str | None = None, code: str = "ZONE_RESOURCE_POOL_EXHAUSTED") -> None:
+        """The next `times` starts (of `name`, or of any instance) of a stopped VM end as Compute ends them
+        when it refuses: the operation finishes DONE with the error `code` (START_REFUSALS: a stockout by
+        default, or QUOTA_EXCEEDED)."""
+        if code not in START_REFUSALS:
+            raise ValueError(f"refuse_starts: no refusal {code!r} (one of {', '.join(START_REFUSALS)})")
         self.start_refusals[name] = times
+        self.refusal_code = code
+
+    def grant(self, member: str, *, only: Any = None, but: Any = ()) -> None:
+        """Member ("user:a@example.com") holds exactly `only`, or every permission but `but`."""
+        self.grants[member] = Grant(None if only is None else frozenset(only), frozenset(but))
+
+    def holds(self, permission: str) -> bool:
+        """Whether the caller (`identity`) holds `permission` on the project."""
+        grant = self.grants.get(f"user:{self.identity}")
+        if grant is not None:
+            return grant.holds(permission)
+        return self.granted is None or permission in self.granted
 
     def fail_status_once(self) -> None:
         """The next instances list or get answers 500 (a transient error of the API that the client
@@ -520,8 +566,12 @@ class ComputeWorld:
 
     def start_instance(self, zone: str, name: str) -> dict:
         """instances.start: a RUNNING operation; when it finishes the VM is RUNNING with a new
-        lastStartTimestamp (and `on_start` runs), or the operation fails for lack of capacity."""
+        lastStartTimestamp (and `on_start` runs), or the operation fails (refuse_starts). Starting a VM
+        that already runs changes nothing, as in Compute: the operation finishes without error, and
+        neither lastStartTimestamp, a refusal nor `on_start` is spent on it."""
         inst = self._get(self.instances, (zone, name), f"zones/{zone}/instances/{name}")
+        if inst["status"] == "RUNNING":
+            return self._instance_op(zone, "start", inst, None, "")
         key = name if self.start_refusals.get(name) else None
         refuse = bool(self.start_refusals.get(key))
         if refuse:
@@ -529,16 +579,19 @@ class ComputeWorld:
         elif inst["status"] in ("TERMINATED", "STOPPED"):
             inst["status"] = "STAGING"
 
+        code = self.refusal_code if refuse else ""
+
         def action() -> str | None:
             if refuse:
-                return ZONE_EXHAUSTED.format(project=self.project, zone=zone)
+                message = START_REFUSALS[code][0]
+                return message.format(project=self.project, zone=zone, region=self.zones[zone]["region"])
             inst["status"] = "RUNNING"
             inst["lastStartTimestamp"] = now_rfc3339()
             if self.on_start is not None:
                 threading.Thread(target=self.on_start, args=(zone, name), daemon=True).start()
             return None
 
-        return self._instance_op(zone, "start", inst, action, "ZONE_RESOURCE_POOL_EXHAUSTED" if refuse else "")
+        return self._instance_op(zone, "start", inst, action, code)
 
     def stop_instance(self, zone: str, name: str) -> dict:
         """instances.stop: STOPPING at once, TERMINATED when the operation finishes (as Compute reports a
@@ -620,9 +673,8 @@ class ComputeWorld:
                 if failure:
                     code = state.get("code") or "RESOURCE_OPERATION_FAILED"
                     op["error"] = {"errors": [{"code": code, "message": failure}]}
-                    exhausted = code == "ZONE_RESOURCE_POOL_EXHAUSTED"
-                    op["httpErrorStatusCode"] = 503 if exhausted else 400
-                    op["httpErrorMessage"] = "SERVICE UNAVAILABLE" if exhausted else "BAD REQUEST"
+                    _, status, text = START_REFUSALS.get(code, ("", 400, "BAD REQUEST"))
+                    op["httpErrorStatusCode"], op["httpErrorMessage"] = status, text
         return op
 
     def _delete_op(self, kind: str, name: str, scope: str, target: str, remove: Any, **where: str) -> dict:
@@ -1060,7 +1112,7 @@ class _Handler(BaseHTTPRequestHandler):
                 )
             )  # fmt: skip
         asked = self.body.get("permissions", [])
-        held = [p for p in asked if self.world.granted is None or p in self.world.granted]
+        held = [p for p in asked if self.world.holds(p)]
         return {"permissions": held} if held else {}
 
     # -- IAM custom roles

@@ -61,3 +61,24 @@ def gcp(server: FakeComputeServer, monkeypatch: pytest.MonkeyPatch) -> gcp_mod.G
     return gcp_mod.Gcp.connect(
         PROJECT, endpoint=server.endpoint, api_endpoint=server.endpoint, credentials=AnonymousCredentials()
     )
+
+
+@pytest.fixture
+def cluster_ctx(gcp, tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """(extra dtrain.toml lines) -> lifecycle.Context of cluster "demo" in us-central1-a, against the fake."""
+    from dtrain.control.gcp import lifecycle
+    from dtrain.control.settings import cluster_config
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    for name in ("DTRAIN_GCP_COMPUTE_ENDPOINT", "DTRAIN_GCP_API_ENDPOINT"):
+        monkeypatch.setenv(name, gcp.endpoint)
+
+    def make(extra: str = "") -> lifecycle.Context:
+        toml = tmp_path / "dtrain.toml"
+        toml.write_text(
+            f'[clusters.demo]\nbackend = "gcp"\nproject = "{gcp.project}"\nzone = "{REGION}-a"\n'
+            f'ssh_source_ranges = ["203.0.113.7/32"]\n{extra}'
+        )
+        return lifecycle.context(cluster_config(toml, "demo"))
+
+    return make

@@ -312,8 +312,8 @@ def test_a_spot_stockout_does_not_keep_the_cluster_up_for_ever(gcp, world, clust
     master.squeue = "7|PENDING|BeginTime|\n"  # requeued: it can run once the worker is back
     t0 = time.time()
     assert [a.kind for a in svc.step(now=t0)] == ["start"]
-    since = svc.state.nodes[WORKER].capacity_since
-    assert since is not None and abs(since - t0) < 5
+    since = svc.state.nodes[WORKER].down_since
+    assert since == t0 and abs(svc.state.nodes[WORKER].capacity_since - t0) < 5
     lines = json.loads((work / "service" / "state.json").read_text())["lines"]
     status = [ln for ln in lines if ln.startswith("autostop:")]
     assert status == [
@@ -356,3 +356,85 @@ def test_a_running_job_keeps_the_cluster_up_through_a_stockout():
     seen = logic.Seen(vms=vms, jobs=(logic.Job("7", "PENDING", "BeginTime", ()),), sessions=0)
     assert logic.decide(state, seen, 1000.0 + 86400)[0] == [] and not state.stopping
     assert any("no bound (capacity_wait = off)" in ln for ln in logic.describe(state, 1000.0 + 86400))
+
+
+T0 = 100_000.0  # the polls' clock in the bound's tests (the service records its actions' outcomes on it)
+
+
+def bounded_service(gcp, cluster) -> tuple[Service, FakeMaster]:
+    """A service with autostop 60 s and capacity_wait 1 h that saw job 7 running on both nodes at T0 - 10;
+    the job is pending now (requeued: it runs once the worker is back)."""
+    work, _ = cluster
+    master = FakeMaster()
+    svc = service(gcp, work, master, autostop="60s", capacity_wait="1h")
+    master.squeue = f"7|RUNNING|None|{MASTER},{WORKER}\n"
+    svc.step(now=T0 - 10)
+    master.squeue = "7|PENDING|BeginTime|\n"
+    return svc, master
+
+
+def test_a_start_refused_for_quota_does_not_keep_the_cluster_up_for_ever(gcp, world, cluster):
+    """Issue 31, A.7: a preempted worker whose start is refused for a reason other than a stockout
+    (QUOTA_EXCEEDED: another VM took the freed preemptible quota) is "start-failed", not
+    "waiting-capacity"; before the fix only a stockout was bounded and this one held the on-demand master
+    up for ever. The same capacity_wait bounds it."""
+    svc, master = bounded_service(gcp, cluster)
+    world.mark_preempted(ZONE, WORKER)
+    world.refuse_starts(1000, code="QUOTA_EXCEEDED")
+    assert [a.kind for a in svc.step(now=T0)] == ["start"]
+    t = svc.state.nodes[WORKER]
+    assert t.phase == "start-failed" and t.last_error.startswith("QUOTA_EXCEEDED: Quota 'PREEMPTIBLE_CPUS'")
+    lines = logic.describe(svc.state, T0)
+    assert (
+        f"autostop: waiting for {WORKER} to come back since {logic.hhmm(T0)}, autostop in 60 min "
+        f"(at {logic.hhmm(T0 + 3600)}) unless a job runs or they return; stop then"
+    ) in lines, lines
+    assert [a.kind for a in svc.step(now=T0 + 1800)] == ["start"] and not svc.state.stopping
+    actions = svc.step(now=T0 + 3600)
+    assert [(a.kind, a.node) for a in actions] == [("stop", MASTER)]
+    assert svc.state.stop_reason == f"waiting for {WORKER} to come back since {logic.hhmm(T0)}"
+    assert world.instances[(ZONE, MASTER)]["status"] == "TERMINATED"
+
+
+def test_a_worker_preempted_soon_after_each_start_does_not_keep_the_cluster_up_for_ever(gcp, world, cluster):
+    """Issue 31, A.7: each start succeeds and the worker is preempted again minutes later, before or just
+    after it is back in Slurm. Before the fix every start reset the wait, so autostop never fired; now the
+    wait runs from the first preemption until the node has stayed back for RECOVERED_S."""
+    svc, master = bounded_service(gcp, cluster)
+    now = T0
+    for cycle in range(6):  # preempted every 10 minutes, 60 minutes in all
+        world.mark_preempted(ZONE, WORKER)
+        master.sinfo = f"{MASTER}|idle\n{WORKER}|down*\n"
+        assert [a.kind for a in svc.step(now=now)] == ["start"], cycle
+        assert world.instances[(ZONE, WORKER)]["status"] == "RUNNING"
+        if cycle % 2:  # back in Slurm for a moment this time: still not back for RECOVERED_S
+            master.sinfo = f"{MASTER}|idle\n{WORKER}|down\n"
+            assert [a.kind for a in svc.step(now=now + 60)] == ["resume"]
+            assert svc.state.nodes[WORKER].phase == "ok"
+        assert svc.state.nodes[WORKER].down_since == T0 and not svc.state.stopping
+        now += 600
+    assert now == T0 + 3600 and svc.state.nodes[WORKER].restarts == 6
+    world.mark_preempted(ZONE, WORKER)
+    master.sinfo = f"{MASTER}|idle\n{WORKER}|down*\n"
+    actions = svc.step(now=now)
+    assert [(a.kind, a.node) for a in actions] == [("stop", MASTER)]  # no seventh start
+    assert svc.state.stop_reason == f"waiting for {WORKER} to come back since {logic.hhmm(T0)}"
+
+
+def test_a_node_back_for_long_enough_starts_a_new_wait():
+    # The other side of the bound: preemptions RECOVERED_S apart are separate waits, not one.
+    state = logic.State(cluster="demo", zone=ZONE, master=MASTER, workers=[WORKER],
+                        autostop_s=60.0, capacity_wait_s=3600.0)  # fmt: skip
+    pending = (logic.Job("7", "PENDING", "BeginTime", ()),)
+    up = {MASTER: logic.Vm(MASTER, "RUNNING", False), WORKER: logic.Vm(WORKER, "RUNNING", False)}
+    down = {**up, WORKER: logic.Vm(WORKER, "TERMINATED", True)}
+    assert logic.decide(state, logic.Seen(vms=down, jobs=pending, sessions=0), 1000.0)[0] == [
+        logic.Action("start", WORKER)
+    ]
+    logic.started(state, WORKER, 1001.0)
+    logic.resumed(state, WORKER, 1100.0)
+    later = 1100.0 + logic.RECOVERED_S
+    logic.decide(state, logic.Seen(vms=up, jobs=pending, sessions=0), later)
+    assert state.nodes[WORKER].down_since is None
+    logic.decide(state, logic.Seen(vms=down, jobs=pending, sessions=0), later + 10)
+    assert state.nodes[WORKER].down_since == later + 10 and state.autostop_at == later + 10 + 3600

@@ -18,14 +18,10 @@ from typing import Any
 
 from dtrain.common.errors import ExitCode, UserError
 from dtrain.control.events import Events, Handle
-from dtrain.control.gcp.api import Gcp, api_error
+from dtrain.control.gcp.api import Gcp, api_error, is_stockout
 
 OPERATION_TIMEOUT_S = 300.0
 OPERATION_POLL_S = 1.0
-# What Compute says when a zone has no capacity for the VM: the operation's error code, or words of
-# the message when it comes back on the request itself (a 503).
-STOCKOUT_CODES = frozenset({"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS", "STOCKOUT"})
-STOCKOUT_WORDS = ("ZONE_RESOURCE_POOL_EXHAUSTED", "does not have enough resources available", "STOCKOUT")
 RUNNING = ("RUNNING", "PROVISIONING", "STAGING")
 STOPPED = ("TERMINATED", "STOPPED", "SUSPENDED")
 
@@ -48,7 +44,7 @@ def _call(gcp: Gcp, verb: str, zone: str, name: str) -> None:
     try:
         op = getattr(client, verb)(project=gcp.project, zone=zone, instance=name, **gcp.rpc())
     except Exception as e:  # noqa: BLE001 - a stockout may come back on the request itself
-        if any(w in str(e) for w in STOCKOUT_WORDS):
+        if is_stockout(message=str(e)):
             raise NoCapacity(zone, _one_line(str(e))) from e
         raise
     _wait(gcp, zone, op)
@@ -67,7 +63,7 @@ def _wait(gcp: Gcp, zone: str, op: Any) -> None:
     errors = list(op.error.errors) if getattr(op, "error", None) else []
     if errors:
         first = errors[0]
-        if first.code in STOCKOUT_CODES or any(w in first.message for w in STOCKOUT_WORDS):
+        if is_stockout(first.code, first.message):
             raise NoCapacity(zone, _one_line(first.message))
         raise OperationFailed(f"{first.code}: {_one_line(first.message)}" if first.code else first.message)
 

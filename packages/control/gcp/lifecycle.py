@@ -186,6 +186,7 @@ def _preflight(ctx: Context, events: Events, rec: dict[str, Any] | None = None) 
     report = _quota_check(ctx, derived, zone, len(rec["nodes"]) if rec else 0)
     adopt_bucket = _checkpoint_bucket(ctx, report)
     access = _access_check(ctx, report, derived) if report.zone else Access(os_login=False, iap=not s.external_ip)
+    _shielded_vm_check(ctx, report, derived)
     _report(report, events)
     if not report.ok:
         first = report.problems[0]
@@ -241,32 +242,47 @@ def _access_check(ctx: Context, report: PreflightReport, derived: dict[str, Any]
         else:
             report.passed.append(f"reach: IAP TCP forwarding, through {gcloud}")
 
-    wanted = [
-        p
-        for p, needed in (
-            ("compute.instances.osAdminLogin", os_login),
-            ("iap.tunnelInstances.accessViaIAP", not s.external_ip),
-            ("iam.roles.create", True),
-        )
-        if needed
-    ]
+    nat = bool(derived.get("nat", not s.external_ip))
+    groups = api.up_permissions(nat=nat, external_ip=s.external_ip, os_login=os_login)
+    wanted = list(dict.fromkeys(p for g in groups for p in g.permissions))
     try:
         missing = api.missing_permissions(ctx.api, wanted)
     except UserError as e:
         missing = []
         report.notes.append(f"could not check your permissions ({e})")
-    for permission in missing:
-        role, purpose = api.ACCESS_PERMISSIONS[permission]
-        _config_problem(
-            report,
-            f"you lack {permission} on project {ctx.project}, which {purpose} needs: ask for {role} "
-            f"(gcloud projects add-iam-policy-binding {ctx.project} --member=user:YOU --role={role})",
-        )
+    if missing:
+        _config_problem(report, api.missing_permissions_line(ctx.project, groups, missing))
+    else:
+        report.passed.append(f"permissions: all {len(wanted)} that dtrain up needs")
     if os_login:
         off = api.disabled_services(ctx.api, ["oslogin.googleapis.com"])
         if off:
             _config_problem(report, api.enable_hint(ctx.project, off))
     return Access(os_login=os_login, iap=not s.external_ip)
+
+
+def _shielded_vm_check(ctx: Context, report: PreflightReport, derived: dict[str, Any]) -> None:
+    """GPU nodes boot with Secure Boot off (infra/modules/plan: secure_boot): Secure Boot loads only kernel
+    modules signed by a key the firmware trusts, and Google documents such signed NVIDIA drivers only for
+    the images and steps of https://cloud.google.com/compute/docs/gpus/install-drivers-gpu#secure-boot, not
+    for the Deep Learning VM family the GPU nodes boot (Compute leaves Secure Boot off by default because
+    unsigned drivers may not load: https://cloud.google.com/compute/shielded-vm/docs/modifying-shielded-vm).
+    An organisation that enforces constraints/compute.requireShieldedVm refuses such VMs, mid-apply: say so
+    here, in one line, before anything is created."""
+    from dtrain.control.gcp import api
+
+    if derived.get("secure_boot", True):
+        return  # vTPM and integrity monitoring are always on: the policy has nothing to refuse
+    policy = _org_policy(ctx, report, api.REQUIRE_SHIELDED_VM, "if it requires Shielded VMs, GPU nodes are refused")
+    if policy is not None and api.enforced(policy):
+        _config_problem(
+            report,
+            f"the organisation policy {api.REQUIRE_SHIELDED_VM} is enforced on project {ctx.project}: it refuses "
+            "VMs without Secure Boot, and GPU nodes run with Secure Boot off (the NVIDIA driver of their Deep "
+            "Learning VM image is not signed for it): ask your organisation's administrator to exempt the project "
+            f"from {api.REQUIRE_SHIELDED_VM}, or use another project, or CPU nodes (use_gpu = false under "
+            f"[clusters.{ctx.spec.name}])",
+        )
 
 
 def _org_policy(ctx: Context, report: PreflightReport, constraint: str, hint: str) -> dict[str, Any] | None:

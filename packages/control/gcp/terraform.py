@@ -70,7 +70,6 @@ def _group(m: re.Match, *names: str) -> str:
     return next((m.group(n) for n in names if m.group(n)), "")
 
 
-_ZONE_RE = re.compile(r"ZONE_RESOURCE_POOL_EXHAUSTED|does not have enough resources available")
 _QUOTA_RE = re.compile(
     r"Quota '(?P<q1>[A-Z0-9_]+)' exceeded|Quota exceeded for quota metric '(?P<q2>[^']+)'"
     r"|QUOTA_EXCEEDED[^\n]*?\b(?P<q3>[A-Z][A-Z0-9_]{3,})\b|QUOTA_EXCEEDED"
@@ -97,7 +96,9 @@ _CONSTRAINT_FIX = {
 def _explain_known(text: str, ctx: Mapping[str, str]) -> tuple[str, str] | None:
     """(kind, one line with the fix) for the failures users meet, else None."""
     project = ctx.get("project", "")
-    if _ZONE_RE.search(text):
+    from dtrain.control.gcp.api import is_stockout
+
+    if is_stockout(message=text):
         zone = ctx.get("zone", "the zone")
         return "zone_exhausted", (
             f"{zone} has no capacity for this machine type right now (ZONE_RESOURCE_POOL_EXHAUSTED): "
