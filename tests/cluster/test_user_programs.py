@@ -8,7 +8,9 @@ Needs root (skips otherwise; CI runs as root)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -145,6 +147,52 @@ def test_a_torchrun_script_killed_mid_run_resumes_from_its_own_checkpoint(cwd: P
     assert m and int(m.group(1)) >= 30, resumed.stdout
     assert "checkpoint directory restored from the run" in resumed.stdout
     assert final_weights(resumed.stdout) == expected
+
+
+def test_a_script_that_saves_every_step_keeps_a_fresh_copy_and_a_lost_master_resumes_from_it(
+    cwd: Path, emulator: str, testbed: Testbed
+):
+    """The issue's case at dtrain's real copy interval (30 s): a script saving its one checkpoint file every step
+    never let the folder settle, so no copy existed while it ran; its master was lost (every process killed,
+    its checkpoint folder gone) and `--resume` started from step 0. A lone closed file is whole: it is copied
+    within seconds of each save, and the resume starts close to where the master died."""
+    out = bucket(emulator)
+    base = ["train", "train.py", "--cluster", "bed", "--nproc", "1", "--output", out, "--checkpoint-dir", "checkpoints"]
+    env = {**cli_env(cwd, emulator), **FAST, "DTRAIN_INTERNAL_MIRROR_INTERVAL_S": "30"}
+    proc = subprocess.Popen([*CLI, *base, "--", "--steps", "100000", "--ckpt-every", "1", "--sleep", "0.05"],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    seen, killed_at = "", 0
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not killed_at:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, seen
+        seen += line
+        m = re.match(r"(?:\[h0\] )?step (\d+) ", line)
+        if m and int(m.group(1)) >= 150:
+            killed_at = int(m.group(1))
+    assert killed_at, seen
+    master = testbed.hosts[0]
+    proc.kill()  # the launcher and the whole master go at once: nothing is copied at the end
+    for pid in testbed.pids(master):
+        with contextlib.suppress(OSError):
+            if b"dtrain." in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    for ckpt in master.dir.rglob("checkpoints/ckpt.pt"):  # its disk is gone
+        ckpt.unlink()
+    end = time.monotonic() + 30
+    while any(job_processes(testbed).values()) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert not any(job_processes(testbed).values()), job_processes(testbed)
+
+    rid = run_of(seen)
+    resumed = dtrain(cwd, emulator, "train", "--resume", rid, "--output", out, "--cluster", "bed", "--", "--steps",
+                     str(killed_at + 5))  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    m = re.search(r"resumed at step (\d+)", resumed.stdout)
+    assert m, resumed.stdout
+    # A copy seconds old: at least half the steps the master had made (a step is 0.05 s and more here).
+    assert killed_at / 2 <= int(m.group(1)) <= killed_at, (killed_at, resumed.stdout)
 
 
 def test_accelerates_own_check_script_under_accelerate_launch_on_two_hosts(cwd: Path, emulator: str):
