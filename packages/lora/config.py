@@ -12,6 +12,9 @@ def required(help: str) -> str:  # noqa: A002 - mirrors opt()
     return dataclasses.field(metadata={"help": help})  # type: ignore[return-value]
 
 
+DEFAULT_MESSAGES = "messages"
+
+
 class Switch(str, enum.Enum):
     AUTO = "auto"
     ON = "on"
@@ -58,7 +61,11 @@ class LoraConfig:
     completion_field: str = opt(
         "", "instruction data: the completion's field (default: output, completion, response or answer)"
     )
-    messages_field: str = opt("messages", "chat data: the field holding the list of {role, content} messages")
+    messages_field: str = opt(
+        DEFAULT_MESSAGES,
+        "chat data: the field holding the list of {role, content} messages (default: messages, else ShareGPT's "
+        "conversations of {from, value})",
+    )
     train_on_all: bool = opt(
         False, "instruction/chat data: loss on every token, not only the completion/assistant turns"
     )
