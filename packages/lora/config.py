@@ -54,6 +54,12 @@ class LoraConfig:
         "text, JSONL, JSON array, Parquet or CSV file, a directory of them, gs:// URL, or a Hugging Face "
         "dataset name (online); docs/fine-tuning.md"
     )
+    data_subset: str = opt(
+        "", "a Hugging Face dataset's subset (config), e.g. gsm8k's main; --eval-data as a split name reads it too"
+    )
+    data_split: str = opt(
+        "", "a Hugging Face dataset's split to train on, e.g. ultrachat_200k's train_sft (default: train)"
+    )
     format: DataFormat = opt(DataFormat.AUTO, "auto, text (continued pretraining), instruction or chat")
     text_field: str = opt("text", "the field holding the text in records (format text)")
     prompt_field: str = opt("", "instruction data: the prompt's field (default: instruction, prompt or question)")

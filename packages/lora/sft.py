@@ -570,7 +570,7 @@ def eval_rows_for(cfg: Any, text_field: str) -> list[Row] | None:
     local = is_remote(cfg.data) or Path(cfg.data).exists()
     is_split = not local and "/" not in cfg.eval_data and not Path(cfg.eval_data).exists()
     if is_split:
-        return read_rows(cfg.data, text_field, split=cfg.eval_data)
+        return read_rows(cfg.data, text_field, split=cfg.eval_data, subset=cfg.data_subset)
     return read_rows(cfg.eval_data, text_field)
 
 
@@ -619,7 +619,7 @@ def show_example(cfg: Any) -> str:
     """--show-example: the first training example as it will be trained, with trained tokens marked."""
     from dtrain.lora.data import read_documents
 
-    rows = read_rows(cfg.data, cfg.text_field)
+    rows = read_rows(cfg.data, cfg.text_field, cfg.data_split, cfg.data_subset)
     fields = resolve_fields(rows, cfg) if rows else Fields(DataFormat.TEXT)
     tokenizer = load_tokenizer(cfg.model)
     if fields.format == DataFormat.TEXT:

@@ -316,7 +316,7 @@ class DataSource:
 
 
 def read_data(cfg: LoraConfig) -> DataSource:
-    rows = read_rows(cfg.data, cfg.text_field)
+    rows = read_rows(cfg.data, cfg.text_field, cfg.data_split, cfg.data_subset)
     eval_rows = sft.eval_rows_for(cfg, cfg.text_field)
     fields = sft.resolve_fields(rows, cfg) if rows else sft.Fields(DataFormat.TEXT)
     source = DataSource(fields, rows, eval_rows)
