@@ -621,6 +621,7 @@ def show_example(cfg: Any) -> str:
 
     rows = read_rows(cfg.data, cfg.text_field, cfg.data_split, cfg.data_subset)
     fields = resolve_fields(rows, cfg) if rows else Fields(DataFormat.TEXT)
+    cfg.settle_seq_len(fields.format)
     tokenizer = load_tokenizer(cfg.model)
     if fields.format == DataFormat.TEXT:
         text = read_documents(cfg.data, cfg.text_field, rows)[0]

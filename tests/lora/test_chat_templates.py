@@ -250,3 +250,21 @@ def test_cut_examples_are_counted_with_the_longest():
     )
     assert enc.longest > 40
     assert json.dumps(notice)
+
+
+def test_the_default_seq_len_fits_chat_data_and_keeps_plain_text_blocks(tmp_path):
+    """--seq-len unset: 2048 tokens for instruction/chat data (256 cut most chat examples short), 256
+    for plain text (a small corpus still makes two blocks); settled once the data's format is known."""
+    from dtrain.lora.config import LoraConfig
+    from dtrain.lora.train import read_data
+
+    chat = write([{"messages": [Q1, A1]}] * 2, tmp_path / "c.jsonl")
+    (tmp_path / "t.txt").write_text("the cat sat on a mat\n" * 20)
+    for data, want in ((chat, 2048), (tmp_path / "t.txt", 256)):
+        cfg = LoraConfig(model="tiny-llama", data=str(data))
+        assert cfg.seq_len == 0
+        read_data(cfg)
+        assert cfg.seq_len == want
+    given = LoraConfig(model="tiny-llama", data=str(chat), seq_len=96)
+    read_data(given)
+    assert given.seq_len == 96
