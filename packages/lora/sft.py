@@ -348,6 +348,46 @@ def _tokenize(tokenizer: Any, segments: list[tuple[str, bool]]) -> tuple[list[in
     return ids, flags
 
 
+# A template token's embedding row was never trained when its largest entry is at most this (Unsloth's
+# test, unsloth_zoo fix_untrained_tokens: Llama-3 base's <|start_header_id|>, <|eot_id|> ... are zero
+# rows), or its norm is under this share of the median row's (rows left near zero, e.g. 1e-23 in bf16).
+UNTRAINED_MAX = 1e-16
+UNTRAINED_NORM_SHARE = 0.01
+
+
+def untrained_template_tokens(model: torch.nn.Module, tokenizer: Any) -> list[str]:
+    """The special tokens the chat template writes whose input embedding rows were never trained: what
+    a base model gives with its instruct sibling's template. LoRA cannot train those rows."""
+    tok = chat_template_of(tokenizer)
+    if tok is None:
+        return []
+    probe = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    try:
+        ids = tok(tok.apply_chat_template(probe, tokenize=False), add_special_tokens=False)["input_ids"]
+    except Exception:  # noqa: BLE001 - a template that refuses the probe is refused, with the record, later
+        return []
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    w = model.get_input_embeddings().weight.detach()
+    used = sorted({i for i in ids if i in special and i < w.shape[0]})
+    if not used:
+        return []
+    norms = w.float().norm(dim=-1)
+    rows = w[used].float()
+    floor = UNTRAINED_NORM_SHARE * norms.median()
+    bad = [i for i, row in zip(used, rows, strict=True) if row.max() <= UNTRAINED_MAX or row.norm() < floor]
+    return tok.convert_ids_to_tokens(bad)
+
+
+def refuse_untrained_template_tokens(model: torch.nn.Module, tokenizer: Any, name: str) -> None:
+    if bad := untrained_template_tokens(model, tokenizer):
+        raise UserError(
+            f"{name}: the chat template's tokens {', '.join(bad)} have embedding rows that were never trained "
+            "(a base model with an instruct template), and LoRA cannot train them: fine-tune the instruct model "
+            "the template belongs to (e.g. ...-Instruct), or give the base model data without the template "
+            "(--format text, each conversation written out as plain text)"
+        )
+
+
 def bos_expected(tokenizer: Any) -> int | None:
     """The BOS id when the tokenizer adds one to plain encodes (Llama-3 does, Qwen2.5 has none)."""
     tok = getattr(tokenizer, "tok", None)

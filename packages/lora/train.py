@@ -378,6 +378,8 @@ def train(ctx: Context) -> dict[str, Any]:
     memory = memory_strategy(cfg, d)  # before anything is loaded: a run that cannot work stops here
     prompts = samples.read_prompt_file(cfg.sample_prompts)
     model, tokenizer, targets, fused = build_model(ctx, memory)
+    if source.fields.format != DataFormat.TEXT:
+        sft.refuse_untrained_template_tokens(model, tokenizer, cfg.model)
     # Wrapped before the data is packed: packing's check runs the model on the device, where a sharded
     # 4-bit model only is once sharded.
     ddp = wrap(model, d, memory)

@@ -268,3 +268,57 @@ def test_the_default_seq_len_fits_chat_data_and_keeps_plain_text_blocks(tmp_path
     given = LoraConfig(model="tiny-llama", data=str(chat), seq_len=96)
     read_data(given)
     assert given.seq_len == 96
+
+
+def template_model(family: str, untrained: tuple[str, ...] = (), scale: float = 0.0):
+    """A tiny Llama with `family`'s tokenizer; the rows of `untrained` set to `scale` (never trained)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = family_tokenizer(family)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok.tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for t in untrained:
+            model.get_input_embeddings().weight[tok.tok.convert_tokens_to_ids(t)] = scale
+    return model, tok
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-20])
+def test_a_base_model_whose_template_tokens_were_never_trained_is_refused(scale):
+    headers = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+    model, tok = template_model("llama3.1", headers, scale)
+    with pytest.raises(UserError) as e:
+        sft.refuse_untrained_template_tokens(model, tok, "meta-llama/Llama-3.1-8B")
+    assert str(e.value) == (
+        "meta-llama/Llama-3.1-8B: the chat template's tokens <|start_header_id|>, <|end_header_id|>, <|eot_id|> have "
+        "embedding rows that were never trained (a base model with an instruct template), and LoRA cannot train "
+        "them: fine-tune the instruct model the template belongs to (e.g. ...-Instruct), or give the base model "
+        "data without the template (--format text, each conversation written out as plain text)"
+    )
+    for family in ("llama3.1", "qwen3", "gemma3"):  # trained rows (random here, as a trained model's are) pass
+        sft.refuse_untrained_template_tokens(*template_model(family), family)
+    # A row that is not one of the template's tokens is not the template's business.
+    sft.refuse_untrained_template_tokens(*template_model("llama3.1", ("<|eom_id|>",)), "m")
+
+
+def test_a_template_error_in_a_run_is_one_line_exit_2_and_no_run(tmp_path):
+    """Through the CLI: Gemma 2's template refuses the system message of record 2; one line, exit 2,
+    nothing left under runs/."""
+    from runs import cli
+
+    from dtrain.common.errors import ExitCode
+    from lora.sft_fixtures import make_model_dir
+
+    model = make_model_dir(tmp_path / "m", family_tokenizer("gemma2").tok)
+    data = write([{"messages": [Q1, A1]}, {"messages": [SYSTEM, Q1, A1]}], tmp_path / "c.jsonl")
+    r = cli(tmp_path, "train", "lora", "--model", str(model), "--data", str(data), "--max-steps", "1",
+            "--nproc", "1", "--output", "runs")  # fmt: skip
+    assert r.code == ExitCode.USAGE, r.err[-2000:]
+    assert r.error_line() == (
+        f"error: {data}:2: the model's chat template refuses this conversation: System role not supported; fix the "
+        "record or drop it"
+    )
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
