@@ -198,8 +198,7 @@ def test_a_split_that_does_not_exist(tmp_path, hub, model_dir):
     r = train(tmp_path, online(hub, tmp_path, tmp_path / "hf"), model_dir, CHAT, "--eval-data", "test")
     line = assert_refused(r, tmp_path)
     assert line == (
-        f"error: --data {CHAT}: cannot load split 'test' as a dataset: "
-        "Unknown split \"test\". Should be one of ['train', 'validation']."
+        f"error: --data {CHAT}: no split 'test'; it has train, validation: pass one with --data-split (or --eval-data)"
     )
 
 
