@@ -353,6 +353,7 @@ def _tokenize(tokenizer: Any, segments: list[tuple[str, bool]]) -> tuple[list[in
 # rows), or its norm is under this share of the median row's (rows left near zero, e.g. 1e-23 in bf16).
 UNTRAINED_MAX = 1e-16
 UNTRAINED_NORM_SHARE = 0.01
+EMBEDDING_ROWS_AT_ONCE = 8192
 
 
 def untrained_template_tokens(model: torch.nn.Module, tokenizer: Any) -> list[str]:
@@ -369,9 +370,10 @@ def untrained_template_tokens(model: torch.nn.Module, tokenizer: Any) -> list[st
     special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
     w = model.get_input_embeddings().weight.detach()
     used = sorted({i for i in ids if i in special and i < w.shape[0]})
-    if not used:
+    if not used or w.device.type == "meta":  # not loaded on this rank: nothing to read
         return []
-    norms = w.float().norm(dim=-1)
+    # Row norms a slice at a time: an fp32 copy of Llama-3's whole embedding would be 2 GiB on the GPU.
+    norms = torch.cat([part.float().norm(dim=-1) for part in w.split(EMBEDDING_ROWS_AT_ONCE)])
     rows = w[used].float()
     floor = UNTRAINED_NORM_SHARE * norms.median()
     bad = [i for i, row in zip(used, rows, strict=True) if row.max() <= UNTRAINED_MAX or row.norm() < floor]
