@@ -152,6 +152,7 @@ def held_out(cfg: LoraConfig, data: str, model: Any, tokenizer: Any, device: tor
         return make_blocks(ctx, source, model, tokenizer).eval, source.fields, cfg.eval_data or cfg.data
     rows = read_rows(data, cfg.text_field)
     fields = sft.resolve_fields(rows, cfg) if rows else sft.Fields(DataFormat.TEXT)
+    cfg.settle_seq_len(fields.format)  # a run's own config has it settled; this settles a 0 the same way
     if fields.format == DataFormat.TEXT:
         blocks = load_blocks(data, cfg.text_field, tokenizer, cfg.seq_len, cfg.eval_fraction, cfg.run.seed).eval
         return blocks, fields, data

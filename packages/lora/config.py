@@ -13,6 +13,13 @@ def required(help: str) -> str:  # noqa: A002 - mirrors opt()
     return dataclasses.field(metadata={"help": help})  # type: ignore[return-value]
 
 
+DEFAULT_MESSAGES = "messages"
+# --seq-len's defaults: chat examples run to a few thousand tokens (TRL's SFTConfig cuts at 1,024,
+# axolotl's and Unsloth's examples at 2,048); plain text is cut into blocks, where 256 keeps a small
+# corpus at two blocks or more. docs/decisions.md, "chat".
+SFT_SEQ_LEN, TEXT_SEQ_LEN = 2048, 256
+
+
 class Quant(str, enum.Enum):
     NONE = "none"
     NF4 = "4bit"
@@ -40,6 +47,12 @@ class LoraConfig:
         "text, JSONL, JSON array, Parquet or CSV file, a directory of them, gs:// URL, or a Hugging Face "
         "dataset name (online); docs/fine-tuning.md"
     )
+    data_subset: str = opt(
+        "", "a Hugging Face dataset's subset (config), e.g. gsm8k's main; --eval-data as a split name reads it too"
+    )
+    data_split: str = opt(
+        "", "a Hugging Face dataset's split to train on, e.g. ultrachat_200k's train_sft (default: train)"
+    )
     format: DataFormat = opt(DataFormat.AUTO, "auto, text (continued pretraining), instruction or chat")
     text_field: str = opt("text", "the field holding the text in records (format text)")
     prompt_field: str = opt("", "instruction data: the prompt's field (default: instruction, prompt or question)")
@@ -47,7 +60,11 @@ class LoraConfig:
     completion_field: str = opt(
         "", "instruction data: the completion's field (default: output, completion, response or answer)"
     )
-    messages_field: str = opt("messages", "chat data: the field holding the list of {role, content} messages")
+    messages_field: str = opt(
+        DEFAULT_MESSAGES,
+        "chat data: the field holding the list of {role, content} messages (default: messages, else ShareGPT's "
+        "conversations of {from, value})",
+    )
     train_on_all: bool = opt(
         False, "instruction/chat data: loss on every token, not only the completion/assistant turns"
     )
@@ -58,7 +75,7 @@ class LoraConfig:
         "default: --eval-fraction of --data",
     )
     show_example: bool = opt(False, "print the first example as trained (trained tokens marked) and exit")
-    seq_len: int = opt(256, "tokens per packed block")
+    seq_len: int = opt(0, f"tokens per row (0: {SFT_SEQ_LEN} for instruction/chat data, {TEXT_SEQ_LEN} for plain text)")
     batch_size: int = opt(8, "blocks per optimizer step across all ranks (global), before accumulation")
     grad_accum: int = opt(1, "micro-batches accumulated per optimizer step")
     max_steps: int = opt(0, "optimizer steps (0: --epochs passes over the data)")
@@ -99,12 +116,12 @@ class LoraConfig:
             raise ValueError("model: must not be empty")
         if not self.data:
             raise ValueError("data: must not be empty")
-        for name in ("seq_len", "batch_size", "grad_accum", "epochs", "lora_r"):
+        for name in ("batch_size", "grad_accum", "epochs", "lora_r"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.sample_tokens < 1:
             raise ValueError(f"sample_tokens: must be >= 1, got {self.sample_tokens}")
-        for name in ("max_steps", "warmup_steps", "eval_every", "eval_batches", "samples"):
+        for name in ("seq_len", "max_steps", "warmup_steps", "eval_every", "eval_batches", "samples"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -116,6 +133,11 @@ class LoraConfig:
         self.format = DataFormat(self.format)
         self.activation_checkpointing = Switch(self.activation_checkpointing)
         self.quant, self.sharding = Quant(self.quant), Sharding(self.sharding)
+
+    def settle_seq_len(self, fmt: DataFormat) -> None:
+        """--seq-len 0 becomes the default for the data's format, once the format is known (read_data)."""
+        if not self.seq_len:
+            self.seq_len = TEXT_SEQ_LEN if fmt == DataFormat.TEXT else SFT_SEQ_LEN
 
     def model_config(self) -> dict:
         """What fixes the trained weights' shapes and meaning: a checkpoint with other values is refused."""

@@ -42,6 +42,13 @@ _CONTROL_RE = re.compile(b"[" + re.escape(CONTROL_BYTES) + b"]")
 MAX_CONTROL_FRACTION = 0.30
 
 Row = tuple[str, dict[str, Any]]  # (where it came from, for messages; the record)
+DEFAULT_SPLIT = "train"  # a Hugging Face dataset's split when --data-split is not given
+# What `datasets` says when a subset (config) or split is not there, with the list of those that are.
+_UNKNOWN_SPLIT = re.compile(r"Unknown split \"(?P<name>[^\"]*)\"\. Should be one of (?P<have>\[.*?\])")
+_UNKNOWN_SUBSET = re.compile(r"BuilderConfig '(?P<name>[^']*)' not found\. Available: (?P<have>\[.*?\])")
+_MISSING_SUBSET = re.compile(
+    r"Config name is missing\.\s*Please pick one among the available configs: (?P<have>\[.*?\])"
+)
 
 
 @dataclasses.dataclass
@@ -140,8 +147,12 @@ def parse_rows(name: str, raw: bytes, text_field: str) -> list[Row]:
     return [(name, {text_field: text})]
 
 
-def read_rows(spec: str, text_field: str, split: str = "train") -> list[Row]:
-    """Every record named by `spec`, in a fixed order (`split` is for Hugging Face datasets)."""
+def read_rows(spec: str, text_field: str, split: str = "", subset: str = "") -> list[Row]:
+    """Every record named by `spec`, in a fixed order (`split`, default train, and `subset` are for
+    Hugging Face datasets; a file or bucket refuses them rather than ignore them)."""
+    if (split or subset) and (is_remote(spec) or Path(spec).exists()):
+        flag = f"--data-subset {subset}" if subset else f"--data-split {split}"
+        raise UserError(f"{flag}: a subset or split names part of a Hugging Face dataset; --data {spec} is a file")
     if is_remote(spec):
         store = open_store(spec)
         try:
@@ -160,7 +171,7 @@ def read_rows(spec: str, text_field: str, split: str = "train") -> list[Row]:
         if not files:
             raise UserError(f"--data {spec}: directory has no {', '.join(TEXT_SUFFIXES)} files")
         return [row for f in files for row in parse_rows(str(f), f.read_bytes(), text_field)]
-    return _hub_rows(spec, split)
+    return _hub_rows(spec, split or DEFAULT_SPLIT, subset)
 
 
 def hub_name(spec: str) -> bool:
@@ -168,8 +179,19 @@ def hub_name(spec: str) -> bool:
     return not spec.startswith(("/", "./", "../", "~")) and spec.count("/") <= 1
 
 
-def _hub_rows(name: str, split: str) -> list[Row]:
-    """A split of a Hugging Face dataset, through `datasets` (HF_ENDPOINT and HF_HOME honoured). Offline
+def _names(listed: str) -> str:
+    """`datasets`' printed list of names ("['a', 'b']") as "a, b"."""
+    import ast
+
+    try:
+        return ", ".join(str(n) for n in ast.literal_eval(listed))
+    except (ValueError, SyntaxError):
+        return listed
+
+
+def _hub_rows(name: str, split: str, subset: str = "") -> list[Row]:
+    """A split (of a subset, or config) of a Hugging Face dataset, through `datasets` (HF_ENDPOINT and
+    HF_HOME honoured); a subset or split that is not there is one line naming those that are. Offline
     (DTRAIN_OFFLINE or HF_HUB_OFFLINE set, or the hub's host does not resolve) only the datasets cache
     is read: a dataset loaded once online loads again without the hub."""
     from dtrain.lora.model import hub_reachable
@@ -192,7 +214,7 @@ def _hub_rows(name: str, split: str) -> list[Row]:
     was_offline = datasets.config.HF_HUB_OFFLINE
     datasets.config.HF_HUB_OFFLINE = was_offline or offline
     try:
-        ds = datasets.load_dataset(name, split=split)
+        ds = datasets.load_dataset(name, subset or None, split=split)
     except Exception as e:  # noqa: BLE001 - the hub raises many types; one line for the user
         if offline and isinstance(e, ConnectionError):  # not in the cache
             raise UserError(
@@ -206,10 +228,25 @@ def _hub_rows(name: str, split: str) -> list[Row]:
                 f"{missing}, and not a dataset on the Hugging Face hub ({first}); check the name, or set "
                 "HF_TOKEN for a private or gated dataset"
             ) from None
+        whole = " ".join(str(e).split())
+        if m := _UNKNOWN_SPLIT.search(whole):
+            raise UserError(
+                f"--data {name}: no split {split!r}{f' in subset {subset!r}' if subset else ''}; it has "
+                f"{_names(m['have'])}: pass one with --data-split (or --eval-data)"
+            ) from None
+        if m := _UNKNOWN_SUBSET.search(whole):
+            raise UserError(
+                f"--data {name}: no subset {subset!r}; it has {_names(m['have'])}: pass one with --data-subset"
+            ) from None
+        if m := _MISSING_SUBSET.search(whole):
+            raise UserError(
+                f"--data {name}: the dataset has several subsets ({_names(m['have'])}): pass one with --data-subset"
+            ) from None
         raise UserError(f"--data {name}: cannot load split {split!r} as a dataset: {first}") from None
     finally:
         datasets.config.HF_HUB_OFFLINE = was_offline
-    return [(f"{name}[{split}] row {i}", r) for i, r in enumerate(ds)]
+    part = f"{subset}/{split}" if subset else split
+    return [(f"{name}[{part}] row {i}", r) for i, r in enumerate(ds)]
 
 
 def texts_of(rows: list[Row], text_field: str) -> list[str]:

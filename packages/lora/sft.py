@@ -30,12 +30,13 @@ a row of its own, right-padded; a micro-batch is cut to its longest row.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import torch
 
 from dtrain.common.errors import UserError
-from dtrain.lora.config import DataFormat
+from dtrain.lora.config import DEFAULT_MESSAGES, DataFormat
 from dtrain.lora.data import Row, read_rows
 from dtrain.lora.model import ByteTokenizer
 
@@ -47,6 +48,10 @@ ALPACA_WITH_INPUT = "### Instruction:\n{prompt}\n\n### Input:\n{input}\n\n### Re
 ALPACA = "### Instruction:\n{prompt}\n\n### Response:\n"
 MARK_OPEN, MARK_CLOSE = "\u27e6", "\u27e7"  # ⟦ trained ⟧ in --show-example
 DROPPED_NAMED = 5  # how many dropped examples the notice names
+SHAREGPT_FIELD = "conversations"  # ShareGPT's records: {"conversations": [{"from": "human", "value": ...}]}
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool"}  # fmt: skip
+EMPTY_THINK = re.compile(r"\s*<think>\s*</think>\s*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +76,9 @@ class Example:
 class Encoded:
     examples: list[Example]
     dropped: list[str]  # where each example with no trained token came from
-    truncated: int
+    truncated: int  # examples cut to seq_len
+    total: int = 0  # examples made, before any was dropped
+    longest: int = 0  # tokens in the longest example before cutting
 
 
 def resolve_fields(rows: list[Row], cfg: Any) -> Fields:
@@ -79,8 +86,11 @@ def resolve_fields(rows: list[Row], cfg: Any) -> Fields:
     Every record must have them; a missing one is refused naming the fields the record has."""
     where, first = rows[0]
     fmt = cfg.format
+    messages = cfg.messages_field
+    if messages not in first and messages == DEFAULT_MESSAGES and SHAREGPT_FIELD in first:
+        messages = SHAREGPT_FIELD  # ShareGPT's layout, unless the user named a field
     if fmt == DataFormat.AUTO:
-        if cfg.messages_field in first:
+        if messages in first:
             fmt = DataFormat.CHAT
         elif (cfg.prompt_field or cfg.completion_field) or (
             _pick(first, "", PROMPT_FIELDS) and _pick(first, "", COMPLETION_FIELDS)
@@ -91,8 +101,8 @@ def resolve_fields(rows: list[Row], cfg: Any) -> Fields:
     if fmt == DataFormat.TEXT:
         return Fields(fmt)
     if fmt == DataFormat.CHAT:
-        need = {"--messages-field": cfg.messages_field}
-        fields = Fields(fmt, messages=cfg.messages_field)
+        need = {"--messages-field": messages}
+        fields = Fields(fmt, messages=messages)
     else:
         prompt = _pick(first, cfg.prompt_field, PROMPT_FIELDS) or cfg.prompt_field or PROMPT_FIELDS[0]
         completion = (
@@ -137,49 +147,165 @@ def _text(where: str, rec: dict[str, Any], field: str) -> str:
     return v
 
 
-def _messages(where: str, rec: dict[str, Any], field: str) -> list[dict[str, str]]:
-    msgs = rec[field]
+def _message(where: str, field: str, n: int, m: Any) -> dict[str, Any]:
+    """One message as the template takes it: {role, content, ...} with every other key it carries
+    (tool_calls, reasoning_content, name, tool_call_id ...) kept; ShareGPT's {from, value} mapped."""
+    at = f"{where}: {field}[{n}]"
+    if not isinstance(m, dict):
+        raise UserError(
+            f"{at} is a {type(m).__name__}, not a message ({{role, content}} or ShareGPT's {{from, value}})"
+        )
+    # Columnar readers (Parquet, datasets) give every message every key of any message, absent ones None.
+    m = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in m.items() if v is not None}
+    if "role" not in m and "from" in m:
+        who = m.pop("from")
+        if who not in SHAREGPT_ROLES:
+            raise UserError(
+                f"{at}: ShareGPT speaker {who!r} is not one of {', '.join(SHAREGPT_ROLES)}; rename it in the data"
+            )
+        m = {"role": SHAREGPT_ROLES[who], "content": m.pop("value", None), **m}
+        if m["content"] is None:
+            del m["content"]
+    if not isinstance(m.get("role"), str):
+        raise UserError(f"{at} has no role (keys: {', '.join(m) or 'none'}); a message is {{role, content}}")
+    content = m.get("content")
+    if content is None and not m.get("tool_calls"):
+        raise UserError(f"{at} ({m['role']}) has no content and no tool_calls")
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise UserError(
+                    f"{at} has a content part of type {kind!r}: dtrain trains on text, so content is a string "
+                    "or a list of {type: text, text} parts"
+                )
+    elif content is not None and not isinstance(content, str):
+        raise UserError(f"{at}: content is a {type(content).__name__}, not text or a list of text parts")
+    return m
+
+
+def _messages(where: str, rec: dict[str, Any], field: str) -> list[dict[str, Any]]:
+    msgs = rec.get(field)
     if hasattr(msgs, "tolist"):  # a numpy array from pandas-backed readers
         msgs = msgs.tolist()
-    ok = isinstance(msgs, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
-    )
-    if not ok or not msgs:
-        got = type(msgs).__name__ if not isinstance(msgs, list) else "a list of other things"
-        raise UserError(f"{where}: field {field!r} must be a list of {{role, content}} messages, got {got}")
-    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+    if not isinstance(msgs, list) or not msgs:
+        got = "an empty list" if isinstance(msgs, list) else "nothing" if msgs is None else f"a {type(msgs).__name__}"
+        raise UserError(
+            f"{where}: field {field!r} must be a list of messages ({{role, content}} or ShareGPT's {{from, value}}), "
+            f"got {got}; fix or drop the record"
+        )
+    return [_message(where, field, n, m) for n, m in enumerate(msgs)]
 
 
-def _chat_segments(where: str, tok: Any, messages: list[dict[str, str]], whole: bool = False) -> list[tuple[str, bool]]:
-    """The rendered conversation as (text, trained) segments: each assistant turn, with the end of
-    turn its template writes, is trained."""
+def _joined(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """List-valued content as one string, for templates that only concatenate strings."""
+    return [
+        {**m, "content": "".join(p["text"] for p in m["content"])} if isinstance(m.get("content"), list) else m
+        for m in messages
+    ]
 
-    def render(msgs: list[dict[str, str]], generation_prompt: bool) -> str:
-        return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
 
-    full = render(messages, False)
-    if whole:  # --train-on-all: one render, no turn boundaries needed (templates that rewrite history work)
-        return [(full, True)]
+class _Renderer:
+    """The template applied to one record's conversation; a template that raises (Gemma's "System role
+    not supported", role alternation) becomes one line naming the record and the template's message."""
+
+    def __init__(self, where: str, tok: Any) -> None:
+        self.where, self.tok = where, tok
+
+    def __call__(self, msgs: list[dict[str, Any]], generation_prompt: bool) -> str:
+        try:
+            return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as e:  # noqa: BLE001 - jinja2's TemplateError, or TypeError etc. from template code
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:240]
+            raise UserError(
+                f"{self.where}: the model's chat template refuses this conversation: {first}; fix the record or drop it"
+            ) from None
+
+
+def _incremental(render: _Renderer, messages: list[dict[str, Any]], full: str) -> list[tuple[str, bool]] | None:
+    """Segments of `full` by incremental rendering: the prefix before turn i with the generation
+    prompt, then through turn i. None when a prefix is not a prefix of the whole (the template rewrites
+    earlier turns as the conversation grows: Qwen3 drops earlier reasoning, Mistral v0.3 moves the
+    system prompt to the last user turn)."""
     segments, done = [], 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         before, through = render(messages[:i], True) if i else "", render(messages[: i + 1], False)
         if not (through.startswith(before) and full.startswith(through) and len(before) >= done):
-            raise UserError(
-                f"{where}: the chat template renders this conversation differently as it grows (turn {i} is "
-                "not a prefix of the whole), so the assistant turns cannot be found; pass --train-on-all"
-            )
+            return None
         segments += [(full[done : len(before)], False), (full[len(before) : len(through)], True)]
         done = len(through)
     segments.append((full[done:], False))
     return segments
 
 
+def _turn_example(render: _Renderer, messages: list[dict[str, Any]], i: int) -> list[tuple[str, bool]]:
+    """Assistant turn i as the template renders it when that turn is being generated: the prompt is the
+    conversation before it with the generation prompt, the target what the template writes for the
+    turn when it is the last one."""
+    ctx = render(messages[:i], True) if i else ""
+    through = render(messages[: i + 1], False)
+    if through.startswith(ctx):
+        return [(ctx, False), (through[len(ctx) :], True)]
+    # The prompt is not a prefix of the turn's own render (Mistral v0.3 writes the system prompt into
+    # the last user turn, which is not the last message once the reply follows): the turn's text is
+    # what the template writes for it after a lone user message, and must end the turn's render.
+    probe = [{"role": "user", "content": "?"}]
+    head, alone = render(probe, True), render([*probe, messages[i]], False)
+    turn = alone[len(head) :] if alone.startswith(head) else ""
+    if not turn or not through.endswith(turn):
+        raise UserError(
+            f"{render.where}: the chat template renders assistant turn {i} differently in every context tried, "
+            "so its tokens cannot be found; pass --train-on-all"
+        )
+    return [(ctx, False), (turn, True)]
+
+
+def _no_empty_think(segments: list[tuple[str, bool]]) -> list[tuple[str, bool]]:
+    """An empty reasoning block at the start of a trained turn is prompt, not target: Qwen3's template
+    writes `<think>\n\n</think>\n\n` for a turn without reasoning, and the same block is what its
+    generation prompt writes with enable_thinking=False."""
+    out: list[tuple[str, bool]] = []
+    for text, trained in segments:
+        empty = EMPTY_THINK.match(text) if trained else None
+        if empty:
+            out.append((text[: empty.end()], False))
+            text = text[empty.end() :]
+        out.append((text, trained))
+    return out
+
+
+def _chat_examples(
+    where: str, tok: Any, messages: list[dict[str, Any]], whole: bool = False
+) -> list[list[tuple[str, bool]]]:
+    """The conversation as examples of (text, trained) segments, each assistant turn trained with the
+    end of turn its template writes. One example when the template renders the conversation as a
+    growing prefix; otherwise one example per assistant turn, each in the context the template renders
+    when that turn is generated. --train-on-all: every token of the whole conversation (as rendered
+    for its last assistant turn, where the template rewrites history)."""
+    render = _Renderer(where, tok)
+    if any(isinstance(m.get("content"), list) for m in messages):
+        try:  # list content reaches a template that reads it; one that only concatenates strings gets one
+            full = render(messages, False)
+            messages = messages if "{'type'" not in full else _joined(messages)
+        except UserError:
+            messages = _joined(messages)
+    full = render(messages, False)
+    segments = _incremental(render, messages, full)
+    if segments is not None:
+        return [[(full, True)]] if whole else [_no_empty_think(segments)]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if whole:
+        last = _turn_example(render, messages, turns[-1]) if turns else [(full, True)]
+        return [[("".join(t for t, _ in last), True)]]
+    return [_no_empty_think(_turn_example(render, messages, i)) for i in turns]
+
+
 def _instruction_segments(
     rec: dict[str, Any], where: str, f: Fields, tok: Any, whole: bool = False
-) -> tuple[list[tuple[str, bool]], bool]:
-    """(segments, whether end-of-text follows): through the chat template where there is one."""
+) -> tuple[list[list[tuple[str, bool]]], bool]:
+    """(examples' segments, whether end-of-text follows): through the chat template where there is one."""
     prompt, extra, completion = (
         _text(where, rec, f.prompt),
         _text(where, rec, f.input) if f.input else "",
@@ -188,12 +314,12 @@ def _instruction_segments(
     if tok is not None:
         user = f"{prompt}\n\n{extra}" if extra else prompt
         turns = [{"role": "user", "content": user}, {"role": "assistant", "content": completion}]
-        return _chat_segments(where, tok, turns, whole), False
+        return _chat_examples(where, tok, turns, whole), False
     if f.prompt == "instruction":  # Alpaca's records: its prompt layout
         prompt = (ALPACA_WITH_INPUT if extra else ALPACA).format(prompt=prompt, input=extra)
     else:
         prompt += extra and f"\n\n{extra}"
-    return [(prompt, False), (completion, True)], True
+    return [[(prompt, False), (completion, True)]], True
 
 
 def _tokenize(tokenizer: Any, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
@@ -222,6 +348,48 @@ def _tokenize(tokenizer: Any, segments: list[tuple[str, bool]]) -> tuple[list[in
     return ids, flags
 
 
+# A template token's embedding row was never trained when its largest entry is at most this (Unsloth's
+# test, unsloth_zoo fix_untrained_tokens: Llama-3 base's <|start_header_id|>, <|eot_id|> ... are zero
+# rows), or its norm is under this share of the median row's (rows left near zero, e.g. 1e-23 in bf16).
+UNTRAINED_MAX = 1e-16
+UNTRAINED_NORM_SHARE = 0.01
+EMBEDDING_ROWS_AT_ONCE = 8192
+
+
+def untrained_template_tokens(model: torch.nn.Module, tokenizer: Any) -> list[str]:
+    """The special tokens the chat template writes whose input embedding rows were never trained: what
+    a base model gives with its instruct sibling's template. LoRA cannot train those rows."""
+    tok = chat_template_of(tokenizer)
+    if tok is None:
+        return []
+    probe = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    try:
+        ids = tok(tok.apply_chat_template(probe, tokenize=False), add_special_tokens=False)["input_ids"]
+    except Exception:  # noqa: BLE001 - a template that refuses the probe is refused, with the record, later
+        return []
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    w = model.get_input_embeddings().weight.detach()
+    used = sorted({i for i in ids if i in special and i < w.shape[0]})
+    if not used or w.device.type == "meta":  # not loaded on this rank: nothing to read
+        return []
+    # Row norms a slice at a time: an fp32 copy of Llama-3's whole embedding would be 2 GiB on the GPU.
+    norms = torch.cat([part.float().norm(dim=-1) for part in w.split(EMBEDDING_ROWS_AT_ONCE)])
+    rows = w[used].float()
+    floor = UNTRAINED_NORM_SHARE * norms.median()
+    bad = [i for i, row in zip(used, rows, strict=True) if row.max() <= UNTRAINED_MAX or row.norm() < floor]
+    return tok.convert_ids_to_tokens(bad)
+
+
+def refuse_untrained_template_tokens(model: torch.nn.Module, tokenizer: Any, name: str) -> None:
+    if bad := untrained_template_tokens(model, tokenizer):
+        raise UserError(
+            f"{name}: the chat template's tokens {', '.join(bad)} have embedding rows that were never trained "
+            "(a base model with an instruct template), and LoRA cannot train them: fine-tune the instruct model "
+            "the template belongs to (e.g. ...-Instruct), or give the base model data without the template "
+            "(--format text, each conversation written out as plain text)"
+        )
+
+
 def bos_expected(tokenizer: Any) -> int | None:
     """The BOS id when the tokenizer adds one to plain encodes (Llama-3 does, Qwen2.5 has none)."""
     tok = getattr(tokenizer, "tok", None)
@@ -244,26 +412,30 @@ def encode(tokenizer: Any, rows: list[Row], fields: Fields, train_on_all: bool, 
     out: list[Example] = []
     dropped: list[str] = []
     truncated = 0
+    total = longest = 0
     for where, rec in rows:
         if fields.format == DataFormat.CHAT:
-            segments, eos = _chat_segments(where, tok, _messages(where, rec, fields.messages), train_on_all), False
+            examples, eos = _chat_examples(where, tok, _messages(where, rec, fields.messages), train_on_all), False
         else:
-            segments, eos = _instruction_segments(rec, where, fields, tok, train_on_all)
-        ids, flags = _tokenize(tokenizer, segments)
-        if bos is not None and (not ids or ids[0] != bos):
-            ids, flags = [bos, *ids], [False, *flags]
-        if eos:
-            ids, flags = [*ids, tokenizer.eos_token_id], [*flags, True]
-        if len(ids) > seq_len:
-            ids, flags, truncated = ids[:seq_len], flags[:seq_len], truncated + 1
-        labels = [i if (t or train_on_all) else IGNORE for i, t in zip(ids, flags, strict=True)]
-        if labels:
-            labels[0] = IGNORE  # nothing in the row predicts a document's first token
-        if all(x == IGNORE for x in labels):
-            dropped.append(where)
-            continue
-        out.append(Example(ids, labels, where))
-    return Encoded(out, dropped, truncated)
+            examples, eos = _instruction_segments(rec, where, fields, tok, train_on_all)
+        for n, segments in enumerate(examples):
+            at = where if len(examples) == 1 else f"{where} (assistant turn {n + 1} of {len(examples)})"
+            ids, flags = _tokenize(tokenizer, segments)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids, flags = [bos, *ids], [False, *flags]
+            if eos:
+                ids, flags = [*ids, tokenizer.eos_token_id], [*flags, True]
+            total, longest = total + 1, max(longest, len(ids))
+            if len(ids) > seq_len:
+                ids, flags, truncated = ids[:seq_len], flags[:seq_len], truncated + 1
+            labels = [i if (t or train_on_all) else IGNORE for i, t in zip(ids, flags, strict=True)]
+            if labels:
+                labels[0] = IGNORE  # nothing in the row predicts a document's first token
+            if all(x == IGNORE for x in labels):
+                dropped.append(at)
+                continue
+            out.append(Example(ids, labels, at))
+    return Encoded(out, dropped, truncated, total, longest)
 
 
 def pack_rows(examples: list[Example], seq_len: int, pad_id: int, packing: bool) -> torch.Tensor:
@@ -409,7 +581,11 @@ def dropped_notice(enc: Encoded, seq_len: int) -> str:
             f"or assistant turn, or cut off by --seq-len): {named}"
         )
     if enc.truncated:
-        parts.append(f"cut {enc.truncated} example(s) longer than --seq-len {seq_len} to {seq_len} tokens")
+        parts.append(
+            f"cut {enc.truncated} of {enc.total} example(s) ({enc.truncated / max(enc.total, 1):.0%}) longer than "
+            f"--seq-len {seq_len} to {seq_len} tokens (the longest has {enc.longest:,}); raise --seq-len to keep "
+            "them whole"
+        )
     return "; ".join(parts)
 
 
@@ -436,7 +612,7 @@ def eval_rows_for(cfg: Any, text_field: str) -> list[Row] | None:
     local = is_remote(cfg.data) or Path(cfg.data).exists()
     is_split = not local and "/" not in cfg.eval_data and not Path(cfg.eval_data).exists()
     if is_split:
-        return read_rows(cfg.data, text_field, split=cfg.eval_data)
+        return read_rows(cfg.data, text_field, split=cfg.eval_data, subset=cfg.data_subset)
     return read_rows(cfg.eval_data, text_field)
 
 
@@ -485,8 +661,9 @@ def show_example(cfg: Any) -> str:
     """--show-example: the first training example as it will be trained, with trained tokens marked."""
     from dtrain.lora.data import read_documents
 
-    rows = read_rows(cfg.data, cfg.text_field)
+    rows = read_rows(cfg.data, cfg.text_field, cfg.data_split, cfg.data_subset)
     fields = resolve_fields(rows, cfg) if rows else Fields(DataFormat.TEXT)
+    cfg.settle_seq_len(fields.format)
     tokenizer = load_tokenizer(cfg.model)
     if fields.format == DataFormat.TEXT:
         text = read_documents(cfg.data, cfg.text_field, rows)[0]

@@ -316,9 +316,10 @@ class DataSource:
 
 
 def read_data(cfg: LoraConfig) -> DataSource:
-    rows = read_rows(cfg.data, cfg.text_field)
+    rows = read_rows(cfg.data, cfg.text_field, cfg.data_split, cfg.data_subset)
     eval_rows = sft.eval_rows_for(cfg, cfg.text_field)
     fields = sft.resolve_fields(rows, cfg) if rows else sft.Fields(DataFormat.TEXT)
+    cfg.settle_seq_len(fields.format)
     source = DataSource(fields, rows, eval_rows)
     if fields.format == DataFormat.TEXT:
         source.texts = read_documents(cfg.data, cfg.text_field, rows)
@@ -373,11 +374,12 @@ def train(ctx: Context) -> dict[str, Any]:
             f"({d.world_size} x {cfg.grad_accum})"
         )
     micro = cfg.batch_size // (d.world_size * cfg.grad_accum)
+    source = read_data(cfg)  # before the model loads, so bad data fails fast (and --seq-len settles)
     memory = memory_strategy(cfg, d)  # before anything is loaded: a run that cannot work stops here
-
-    source = read_data(cfg)  # before the model loads, so bad data fails fast
     prompts = samples.read_prompt_file(cfg.sample_prompts)
     model, tokenizer, targets, fused = build_model(ctx, memory)
+    if source.fields.format != DataFormat.TEXT:
+        sft.refuse_untrained_template_tokens(model, tokenizer, cfg.model)
     # Wrapped before the data is packed: packing's check runs the model on the device, where a sharded
     # 4-bit model only is once sharded.
     ddp = wrap(model, d, memory)

@@ -24,21 +24,32 @@ def sentence(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def make_tokenizer(chat_template: str | None = TEMPLATE, add_bos: bool = False) -> Any:
+def make_tokenizer(
+    chat_template: str | None = TEMPLATE,
+    add_bos: bool = False,
+    specials: list[str] | None = None,
+    bos: str | None = "<s>",
+    eos: str = "</s>",
+) -> Any:
+    """A BPE tokenizer trained on WORDS; `specials` are added to SPECIALS (a real template's tokens),
+    `bos`/`eos` name the model family's (None: no BOS, as Qwen has none)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(0)
+    extra = [t for t in specials or [] if t not in SPECIALS]
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=300 + len(extra),
+        special_tokens=SPECIALS + extra,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     bpe.train_from_iterator([sentence(rng, 12) for _ in range(300)], trainer)
     if add_bos:  # as Llama-3's tokenizer does: BOS on every encode with special tokens
         bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=bos, eos_token=eos, unk_token="<unk>")
     if chat_template:
         tok.chat_template = chat_template
     return tok

@@ -250,7 +250,10 @@ def test_messages_never_become_text(tmp_path):
     csv_path.write_text("messages\n\"[{'role': 'user', 'content': 'hi'}]\"\n")
     rows = read_rows(str(csv_path), "text")
     msg = refusal(sft.encode, tok_for_chat(), rows, sft.resolve_fields(rows, cfg()), False, 64)
-    assert msg == f"{csv_path}:2: field 'messages' must be a list of {{role, content}} messages, got str"
+    assert msg == (
+        f"{csv_path}:2: field 'messages' must be a list of messages ({{role, content}} or ShareGPT's {{from, value}}), "
+        "got a str; fix or drop the record"
+    )
 
 
 def tok_for_chat():
@@ -303,9 +306,10 @@ def test_show_example_marks_the_trained_tokens(tok):
     assert json.dumps(shown)  # printable
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused_unless_training_on_all():
+def test_a_template_that_rewrites_earlier_turns_trains_each_turn_in_its_own_context():
     """Like Qwen3's, which drops earlier turns' reasoning: the prefix before a turn is not a prefix
-    of the whole conversation, so the turns cannot be found by incremental rendering."""
+    of the whole conversation. Each assistant turn becomes an example of its own, in the context the
+    template renders when that turn is generated; --train-on-all trains the render for the last turn."""
     rewriting = (
         "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}<|assistant|>[old]<|end|>"
         "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
@@ -316,16 +320,17 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_unless_training_on_al
             {"role": "user", "content": "how"}, {"role": "assistant", "content": "a dog"}]  # fmt: skip
     rows = [("c.jsonl:1", {"messages": msgs})]
     f = sft.resolve_fields(rows, cfg())
-    msg = refusal(sft.encode, tok, rows, f, False, 64)
-    assert msg == (
-        "c.jsonl:1: the chat template renders this conversation differently as it grows (turn 1 is not a prefix "
-        "of the whole), so the assistant turns cannot be found; pass --train-on-all"
-    )
-    ex = sft.encode(tok, rows, f, True, 64).examples[0]
+    first, second = sft.encode(tok, rows, f, False, 64).examples
+    assert tok.tok.decode(first.ids) == "<|user|>why<|end|><|assistant|>the cat<|end|>"
+    assert trained_spans(tok, first) == ["the cat<|end|>"]
     assert (
-        tok.tok.decode(ex.ids)
+        tok.tok.decode(second.ids)
         == "<|user|>why<|end|><|assistant|>[old]<|end|><|user|>how<|end|><|assistant|>a dog<|end|>"
     )
+    assert trained_spans(tok, second) == ["a dog<|end|>"]
+    assert (first.where, second.where) == ("c.jsonl:1 (assistant turn 1 of 2)", "c.jsonl:1 (assistant turn 2 of 2)")
+    (whole,) = sft.encode(tok, rows, f, True, 64).examples
+    assert whole.ids == second.ids
 
 
 def test_a_named_field_missing_in_auto_format_is_named(tmp_path):
