@@ -122,16 +122,21 @@ def printed_resume_line(text: str) -> list[str]:
     return shlex.split(m.group(1))[1:]
 
 
+def fails_on_its_first_start(tmp_path: Path, line: str) -> Path:
+    """A project whose t.py runs `line`, then exits 1 on its first start only (a file in its folder says)."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "t.py").write_text(
+        f"import os, sys\n{line}\n"
+        "if not os.path.exists('started'):\n    open('started', 'w').close()\n    sys.exit(1)\n"
+    )
+    return proj
+
+
 def test_the_resume_line_printed_for_a_run_given_output_works_as_printed(tmp_path: Path):
     """`--output DIR` puts the run at DIR/<id>, where a bare id is not looked for: the line names the run
     by its place, and running it exactly, from the same folder, continues the run."""
-    proj = tmp_path / "proj"
-    proj.mkdir()
-    # fails on its first start, succeeds when continued
-    (proj / "t.py").write_text(
-        "import os, sys\nif not os.path.exists('started'):\n    open('started', 'w').close()\n    sys.exit(1)\n"
-        "print('CONTINUED', os.environ['DTRAIN_RUN'])\n"
-    )
+    proj = fails_on_its_first_start(tmp_path, "print('CONTINUED', os.environ['DTRAIN_RUN'])")
     first = dtrain(["train", "t.py", "--nproc", "1", "--output", "elsewhere"], proj)
     assert first.returncode == 1, first.stdout + first.stderr
     run = run_dir(proj / "elsewhere", "t")
@@ -147,12 +152,7 @@ def test_resume_with_arguments_after_the_separator_adds_them_to_the_runs_own_pro
     """`dtrain train --resume RUN -- ARGS` (an HF Trainer user's `-- --resume_from_checkpoint DIR`): the run's
     program again, its own arguments first and ARGS after them; it took ARGS for a command to run instead
     (`--resume_from_checkpoint: command not found`)."""
-    proj = tmp_path / "proj"
-    proj.mkdir()
-    (proj / "t.py").write_text(
-        "import os, sys\nprint('ARGV', *sys.argv[1:])\n"
-        "if not os.path.exists('started'):\n    open('started', 'w').close()\n    sys.exit(1)\n"
-    )
+    proj = fails_on_its_first_start(tmp_path, "print('ARGV', *sys.argv[1:])")
     first = dtrain(["train", "t.py", "--lr", "1", "--nproc", "1"], proj)
     assert first.returncode == 1, first.stdout + first.stderr
     run = run_dir(proj / "runs", "t")
