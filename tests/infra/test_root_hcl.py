@@ -289,7 +289,7 @@ def test_record_fields_match_cli(root: Module):
 
 def test_versions(root: Module):
     terraform = root.terraform[0]
-    assert terraform["required_version"] == ">= 1.9"
+    assert terraform["required_version"] == ">= 1.11"
     google = terraform["required_providers"][0]["google"]
     assert google["source"] == "hashicorp/google"
     assert re.fullmatch(r"~> \d+\.0", google["version"]), "pin the google provider to one major version"

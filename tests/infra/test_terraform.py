@@ -30,7 +30,7 @@ def test_fmt_check_recursive():
 
 def test_fmt_check_catches_misformatting(tmp_path: Path):
     # The check above must be able to fail: a badly indented copy is reported.
-    bad = (INFRA / "versions.tf").read_text().replace('  required_version = ">= 1.9"', 'required_version=">= 1.9"')
+    bad = (INFRA / "versions.tf").read_text().replace('  required_version = ">= 1.11"', 'required_version=">= 1.11"')
     (tmp_path / "versions.tf").write_text(bad)
     r = TerraformCommand(cwd=str(tmp_path)).fmt(check_input=True, write=False, recursive=True, list=True)
     assert r.retcode != 0

@@ -24,9 +24,13 @@ locals {
   machine_vcpus  = try(tonumber(regex("^(?:n1-(?:standard|highmem|highcpu)|(?:n1-)?custom)-([0-9]+)", local.machine_type)[0]), null)
 
   # Rules below are gated so one mistake gives one error: the count first, then the machine
-  # family, then the count a fixed-count machine type carries.
-  count_ok  = !local.gpu || contains(local.accelerator.allowed_counts, var.gpus_per_node)
-  family_ok = !local.gpu || contains(local.accelerator.families, local.machine_family)
+  # family, then the count a fixed-count machine type carries. local.accelerator is null on a CPU
+  # node, so each rule that reads it is a conditional (`gpu ? rule : true`), never `!gpu || rule`:
+  # Terraform before 1.12 evaluates both sides of `||` and fails on the null.
+  count_ok  = local.gpu ? contains(local.accelerator.allowed_counts, var.gpus_per_node) : true
+  family_ok = local.gpu ? contains(local.accelerator.families, local.machine_family) : true
+  # A GPU node whose count and family passed: the rules after them may read local.accelerator.
+  gpu_checked = local.gpu && local.count_ok && local.family_ok
 
   gpus = local.gpu ? var.gpus_per_node : 0
   guest_accelerators = local.gpu ? [{
@@ -120,10 +124,9 @@ resource "terraform_data" "gpu_count" {
 resource "terraform_data" "gpu_fixed_count" {
   lifecycle {
     precondition {
-      condition = (
-        !local.gpu || !local.count_ok || !local.family_ok || length(local.accelerator.fixed_counts) == 0 ||
-        lookup(local.accelerator.fixed_counts, local.machine_type, -1) == var.gpus_per_node
-      )
+      condition = (local.gpu_checked ?
+        length(local.accelerator.fixed_counts) == 0 || lookup(local.accelerator.fixed_counts, local.machine_type, -1) == var.gpus_per_node
+      : true)
       error_message = "machine type ${local.machine_type} carries ${try(tostring(local.accelerator.fixed_counts[local.machine_type]), "no")} ${local.accelerator_type} GPU(s), not gpus_per_node = ${var.gpus_per_node}; leave machine_type empty to derive the matching type."
     }
   }
@@ -132,10 +135,10 @@ resource "terraform_data" "gpu_fixed_count" {
 resource "terraform_data" "gpu_vcpus" {
   lifecycle {
     precondition {
-      condition = (
-        !local.gpu || !local.count_ok || !local.family_ok || length(local.accelerator.max_vcpus) == 0 || local.machine_vcpus == null ||
-        local.machine_vcpus <= lookup(local.accelerator.max_vcpus, tostring(var.gpus_per_node), 0)
-      )
+      # machine_vcpus is null for types that do not spell their vCPUs (g2-standard-8): `null <= n` fails.
+      condition = (local.gpu_checked && local.machine_vcpus != null ?
+        length(local.accelerator.max_vcpus) == 0 || local.machine_vcpus <= lookup(local.accelerator.max_vcpus, tostring(var.gpus_per_node), 0)
+      : true)
       error_message = "${local.machine_type} has too many vCPUs for ${var.gpus_per_node} x ${local.accelerator_type} (at most ${try(tostring(local.accelerator.max_vcpus[tostring(var.gpus_per_node)]), "?")})."
     }
   }
@@ -147,7 +150,7 @@ resource "terraform_data" "gpu_vcpus" {
 resource "terraform_data" "gpu_spot_only" {
   lifecycle {
     precondition {
-      condition     = !local.gpu || !contains(lookup(local.accelerator, "spot_only", []), local.machine_type) || (var.spot && var.master_spot)
+      condition     = local.gpu ? !contains(local.accelerator.spot_only, local.machine_type) || (var.spot && var.master_spot) : true
       error_message = "${local.machine_type} is offered only as a Spot VM: set spot = true and master_spot = true, or take the on-demand type with more GPUs (${join(", ", local.gpu ? [for n, m in local.accelerator.default_machine : m if !contains(lookup(local.accelerator, "spot_only", []), m)] : [])})."
     }
   }

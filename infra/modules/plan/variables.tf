@@ -126,7 +126,7 @@ variable "ssh_source_ranges" {
     error_message = "ssh_source_ranges must hold CIDR ranges such as 203.0.113.7/32 (a bare address needs /32, or /128 for IPv6)."
   }
   validation {
-    condition     = alltrue([for c in var.ssh_source_ranges : !can(cidrhost(c, 0)) || cidrsubnet(c, 0, 0) == c])
+    condition     = alltrue([for c in var.ssh_source_ranges : can(cidrhost(c, 0)) ? cidrsubnet(c, 0, 0) == c : true])
     error_message = "ssh_source_ranges entries must have no host bits set (write 203.0.113.0/24, not 203.0.113.7/24; for one address use /32)."
   }
 }
@@ -224,7 +224,7 @@ variable "subnet_cidr" {
     error_message = "subnet_cidr must be an IPv4 CIDR with a prefix length from /8 to /29, e.g. 10.42.0.0/24."
   }
   validation {
-    condition     = !can(cidrhost(var.subnet_cidr, 0)) || cidrsubnet(var.subnet_cidr, 0, 0) == var.subnet_cidr
+    condition     = can(cidrhost(var.subnet_cidr, 0)) ? cidrsubnet(var.subnet_cidr, 0, 0) == var.subnet_cidr : true
     error_message = "subnet_cidr must have no host bits set (e.g. 10.42.0.0/24, not 10.42.0.1/24)."
   }
 }
