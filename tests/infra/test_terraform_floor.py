@@ -77,7 +77,12 @@ def run_module_tests(exe: str, module: Path) -> tuple[int, list[dict]]:
     )
     assert init.returncode == 0, f"terraform init (offline) failed:\n{init.stdout}\n{init.stderr}"
     test = subprocess.run(
-        [exe, "test", "-json", "-no-color"], cwd=module, capture_output=True, text=True, env=env, timeout=TERRAFORM_TIMEOUT_S
+        [exe, "test", "-json", "-no-color"],
+        cwd=module,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TERRAFORM_TIMEOUT_S,
     )
     messages = [json.loads(line) for line in test.stdout.splitlines() if line.startswith("{")]
     return test.returncode, messages

@@ -32,6 +32,10 @@ locals {
   # A GPU node whose count and family passed: the rules after them may read local.accelerator.
   gpu_checked = local.gpu && local.count_ok && local.family_ok
 
+  # The boot disk types this machine series takes; null where it takes all three dtrain offers. One
+  # table for every series (rules.json's boot_disk_types), which dtrain.control.gcp.rules reads too.
+  boot_disk_types = try(local.rules.boot_disk_types[local.machine_family], null)
+
   gpus = local.gpu ? var.gpus_per_node : 0
   guest_accelerators = local.gpu ? [{
     type  = local.accelerator_type
@@ -107,7 +111,7 @@ resource "terraform_data" "gpu_machine_family" {
   lifecycle {
     precondition {
       condition     = !local.count_ok || local.family_ok
-      error_message = "accelerator ${local.accelerator_type} cannot be attached to ${local.machine_type}: it needs a ${join("/", local.gpu ? local.accelerator.families : [])} machine type (T4 and V100 attach to n1-*; L4 exists only on g2-standard-*, A100 on a2-*, H100 on a3-highgpu-*)."
+      error_message = "accelerator ${local.accelerator_type} cannot be attached to ${local.machine_type}: it needs a ${join("/", local.gpu ? local.accelerator.families : [])} machine type (T4 attaches to n1-*; L4 exists only on g2-standard-*, A100 on a2-*, H100 on a3-highgpu-*)."
     }
   }
 }
@@ -168,8 +172,8 @@ resource "terraform_data" "cpu_machine_family" {
 resource "terraform_data" "disk" {
   lifecycle {
     precondition {
-      condition     = !(local.machine_family == "g2" && var.disk_type == "pd-standard")
-      error_message = "G2 machine types do not support pd-standard disks; use pd-balanced or pd-ssd."
+      condition     = local.boot_disk_types == null ? true : contains(local.boot_disk_types, var.disk_type)
+      error_message = "${local.machine_type} does not take a ${var.disk_type} boot disk: ${upper(local.machine_family)} machine types take ${join(" or ", local.boot_disk_types == null ? [] : local.boot_disk_types)}; set disk_type = \"pd-balanced\"."
     }
     precondition {
       condition     = !local.dlvm_image || var.disk_size_gb >= 50
