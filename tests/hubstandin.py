@@ -263,7 +263,7 @@ class _Handler(BaseHTTPRequestHandler):
             429,
             None,
             "Too Many Requests",
-            {"RateLimit": '"api";r=0;t=1', "RateLimit-Policy": '"fixed window";"api";q=500;w=300'},
+            {"RateLimit": '"api";r=0;t=0', "RateLimit-Policy": '"fixed window";"api";q=500;w=300'},
         )
 
     def _gate(self, repo: Repo) -> bool:
