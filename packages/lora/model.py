@@ -138,6 +138,30 @@ def hf_token() -> str | None:
     return os.environ.get("HF_TOKEN") or None
 
 
+def hub_refusal(e: BaseException, what: str) -> str | None:
+    """The one line for a Hub answer about access, not about the name: a gated repo (401/403 GatedRepo)
+    or a rate limit (429), found anywhere in `e`'s chain (datasets and transformers wrap the hub
+    client's errors, or restate them in their own words); None for anything else."""
+    seen = 0
+    while e is not None and seen < 16:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        text = str(e)
+        if status == 429:
+            return (
+                f"{what}: the Hugging Face hub is rate-limiting these requests (429 Too Many Requests); wait a "
+                "few minutes and retry, or set HF_TOKEN (signed-in requests have a higher limit)"
+            )
+        if type(e).__name__ == "GatedRepoError" or "is a gated dataset" in text or "access a gated repo" in text:
+            held = " (HF_TOKEN is set, but its account has not been granted access yet)" if hf_token() else ""
+            return (
+                f"{what} is gated on the Hugging Face hub: accept its terms on its page with your account, then "
+                f"set HF_TOKEN to a token of that account{held}"
+            )
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return None
+
+
 def load_base(
     name: str,
     dtype: torch.dtype,
@@ -188,6 +212,9 @@ def load_base(
                 name, dtype=dtype, attn_implementation="sdpa", **placement, **kw
             )
         except (OSError, ValueError) as e:
+            refusal = hub_refusal(e, f"model {name!r}") if source == "model id" and not cache_only else None
+            if refusal:
+                raise UserError(refusal) from None
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if cache_only and source == "model id":
                 first = "not in the local Hugging Face cache, and the hub is out of reach (offline)"

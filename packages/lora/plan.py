@@ -468,14 +468,17 @@ def plan(
 
 
 def _card(accelerator: str) -> accelerators.Card:
+    from dtrain.control.gcp import rules
+
+    refused = rules.refused_accelerator(accelerator)
+    if refused:  # the card exists, but dtrain's GPU image cannot run on it
+        raise UserError(f"accelerator {accelerator} is refused: {refused}")
     try:
         return accelerators.card(accelerator)
     except KeyError:
         by_name = accelerators.by_name(accelerator)
         if by_name is not None:
             return by_name
-        from dtrain.control.gcp import rules
-
         known = ", ".join(rules.accelerators())
         raise UserError(f"unknown accelerator {accelerator!r}: use one of {known}") from None
 

@@ -71,3 +71,47 @@ def test_spot_only_types_have_an_on_demand_alternative():
         for machine in a["spot_only"]:
             assert machine in a["default_machine"].values(), (name, machine)
         assert set(a["default_machine"].values()) - set(a["spot_only"]), name
+
+
+def test_refused_accelerators_are_not_offered_and_say_why_in_one_line():
+    refused = rules()["refused_accelerators"]
+    assert "nvidia-tesla-v100" in refused  # sm_70: the GPU image's torch CUDA 13.0 build has no kernels for it
+    for name, reason in refused.items():
+        assert name not in ACCELERATORS, name
+        assert reason and "\n" not in reason, name
+
+
+def test_every_machine_type_the_rules_derive_takes_the_default_boot_disk():
+    # infra/variables.tf's disk_type default, which `dtrain up` never overrides: every machine type the
+    # rules can derive must take it, or a default cluster would fail at apply.
+    import re
+
+    from dtrain.control.assets import infra_dir
+    from dtrain.control.gcp.rules import boot_disk_types
+
+    variables = (infra_dir() / "variables.tf").read_text()
+    default = re.search(r'variable "disk_type" \{[^}]*?default\s*=\s*"([^"]+)"', variables).group(1)
+    for a in ACCELERATORS.values():
+        for machine in {*a["default_machine"].values(), *a["fixed_counts"]}:
+            allowed = boot_disk_types(machine)
+            assert allowed is None or default in allowed, (machine, allowed)
+    assert boot_disk_types("e2-medium") is None  # the CPU default takes every type
+
+
+@pytest.mark.parametrize(
+    ("machine", "pd_standard"),
+    [
+        ("g2-standard-8", False),
+        ("a3-highgpu-8g", False),
+        ("c3-standard-8", False),
+        ("n1-standard-4", True),
+        ("custom-4-15360", True),
+        ("a2-highgpu-1g", True),
+        ("e2-medium", True),
+    ],
+)
+def test_boot_disk_types_by_series(machine, pd_standard):
+    from dtrain.control.gcp.rules import boot_disk_types
+
+    allowed = boot_disk_types(machine)
+    assert (allowed is None or "pd-standard" in allowed) is pd_standard

@@ -111,6 +111,7 @@ def test_no_ssh_source_is_an_error_naming_the_fix():
         ({"region": "mars"}, "region 'mars' is not a region name"),
         ({"zone": "europe-west4-a"}, "is not a zone of region us-central1"),
         ({"accelerator": "nvidia-v100"}, "accelerator must be one of"),
+        ({"accelerator": "nvidia-tesla-v100"}, "nvidia-tesla-v100 is refused: V100 (compute capability 7.0)"),
         ({"workers": -1}, "workers must be 0-63"),
         ({"use_gpu": True, "gpus_per_node": 0}, "gpus_per_node must be >= 1"),
         ({"ssh_source_ranges": ["10.0.0.1/8"]}, "is not a CIDR range"),

@@ -207,6 +207,9 @@ def check_bucket(root: Module, plan: Module) -> None:
     assert bucket["uniform_bucket_level_access"] is True
     assert bucket["public_access_prevention"] == "enforced"
     assert block(bucket, "versioning")["enabled"] is True
+    # Soft delete off: versioning keeps deleted checkpoints for bucket_lifecycle_days already, and GCS's
+    # default 7-day soft delete would bill every copy the lifecycle rules delete for 7 days more.
+    assert block(bucket, "soft_delete_policy") == {"retention_duration_seconds": 0}
     assert bucket["force_destroy"] == "${var.force_destroy}"
     assert root.variables["force_destroy"]["default"] is False
     rules = bucket["lifecycle_rule"]
@@ -289,7 +292,7 @@ def test_record_fields_match_cli(root: Module):
 
 def test_versions(root: Module):
     terraform = root.terraform[0]
-    assert terraform["required_version"] == ">= 1.9"
+    assert terraform["required_version"] == ">= 1.11"
     google = terraform["required_providers"][0]["google"]
     assert google["source"] == "hashicorp/google"
     assert re.fullmatch(r"~> \d+\.0", google["version"]), "pin the google provider to one major version"
@@ -377,6 +380,12 @@ MUTATIONS = [
         "storage.tf",
         'days_since_noncurrent_time = 1\n      with_state                 = "ARCHIVED"',
         'days_since_noncurrent_time = 1\n      with_state                 = "ANY"',
+        check_bucket,
+    ),
+    (
+        "storage.tf",
+        "retention_duration_seconds = 0",
+        "retention_duration_seconds = 604800",
         check_bucket,
     ),
     (

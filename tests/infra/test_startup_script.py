@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -138,6 +140,7 @@ class Node:
             "DTRAIN_GPU_WAIT_S": "0",
             "DTRAIN_DOCKER_WAIT_S": "0",
             "DTRAIN_POLL_S": "0",
+            "DTRAIN_APT_UPDATE_WAIT_S": "0",
         }
 
     def _write(self, path: Path, body: str) -> None:
@@ -231,3 +234,113 @@ def test_bad_metadata_is_reported(tmp_path: Path):
     assert r.returncode == 1
     assert "not a valid user name" in node.ready()["error"]
     assert os.path.exists(tmp_path / "state" / "ready")
+
+
+# --- apt-get update against a held lists lock, with the real apt-get -------------------------------
+#
+# DPkg::Lock::Timeout covers dpkg's locks, not the lists lock (/var/lib/apt/lists/lock) that `apt-get
+# update` takes. apt takes its locks with fcntl(F_SETLK) (apt-pkg's GetLock), so the stand-in for
+# apt-daily.service below holds the lock the same way (flock(1) would not block apt: on Linux flock and
+# fcntl locks are independent). APT_CONFIG points the real apt-get at a scratch tree with no sources,
+# so its update touches nothing on this machine and needs no network.
+
+LISTS_HOLD_S = 3.0
+APT_DIRS = (
+    "state/lists/partial",
+    "cache/archives/partial",
+    "etc/apt.conf.d",
+    "etc/preferences.d",
+    "etc/sources.list.d",
+)
+
+
+def apt_tree(root: Path) -> dict[str, str]:
+    if shutil.which("apt-get") is None:
+        pytest.skip("needs apt-get (Debian or Ubuntu)")
+    for d in APT_DIRS:
+        (root / d).mkdir(parents=True)
+    (root / "etc" / "sources.list").write_text("")
+    (root / "status").write_text("")
+    conf = root / "apt.conf"
+    settings = {
+        "Dir::State": root / "state",
+        "Dir::State::Lists": root / "state" / "lists",
+        "Dir::State::status": root / "status",
+        "Dir::Cache": root / "cache",
+        "Dir::Etc": root / "etc",
+        "Dir::Etc::sourcelist": root / "etc" / "sources.list",
+        "Dir::Etc::sourceparts": root / "etc" / "sources.list.d",
+        "Dir::Etc::main": root / "etc" / "apt.conf",
+        "Dir::Etc::parts": root / "etc" / "apt.conf.d",
+        "Dir::Etc::preferences": root / "etc" / "preferences",
+        "Dir::Etc::preferencesparts": root / "etc" / "preferences.d",
+    }
+    conf.write_text("".join(f'{k} "{v}";\n' for k, v in settings.items()))
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "APT_CONFIG": str(conf)}
+
+
+def hold_lists_lock(root: Path, seconds: float) -> subprocess.Popen:
+    """apt-daily, as far as the lists lock goes: an fcntl write lock on state/lists/lock for `seconds`."""
+    lock = root / "state" / "lists" / "lock"
+    code = (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT, 0o640)\n"
+        "fcntl.lockf(fd, fcntl.LOCK_EX)\n"
+        "print('held', flush=True)\n"
+        f"time.sleep({seconds})\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def run_function(function: str, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, float]:
+    """Source the startup script (its main runs only when executed) and call one of its functions."""
+    script = f'source "{STARTUP_SCRIPT}" && {function}'
+    start = time.monotonic()
+    r = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    return r, time.monotonic() - start
+
+
+def test_real_apt_update_fails_at_once_on_a_held_lists_lock(tmp_path: Path):
+    # What the script did before: one update with DPkg::Lock::Timeout, which does not cover this lock.
+    env = apt_tree(tmp_path)
+    holder = hold_lists_lock(tmp_path, LISTS_HOLD_S)
+    try:
+        start = time.monotonic()
+        r = subprocess.run(
+            ["apt-get", "-o", "DPkg::Lock::Timeout=600", "update", "-qq"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+        )
+        elapsed = time.monotonic() - start
+    finally:
+        holder.wait(timeout=10)
+    assert r.returncode != 0 and "Could not get lock" in r.stderr and "lists/lock" in r.stderr, r.stderr
+    assert elapsed < LISTS_HOLD_S, elapsed
+
+
+def test_apt_update_waits_for_a_held_lists_lock(tmp_path: Path):
+    env = {**apt_tree(tmp_path), "DTRAIN_APT_UPDATE_WAIT_S": "20", "DTRAIN_APT_UPDATE_RETRY_S": "1"}
+    holder = hold_lists_lock(tmp_path, LISTS_HOLD_S)
+    try:
+        r, elapsed = run_function("apt_update", env)
+    finally:
+        holder.wait(timeout=10)
+    assert r.returncode == 0, r.stderr
+    assert "retrying in 1s" in r.stderr, r.stderr
+    assert elapsed >= LISTS_HOLD_S * 0.8, f"returned after {elapsed:.1f} s: it did not wait for the lock"
+
+
+def test_apt_update_gives_up_after_its_bound(tmp_path: Path):
+    env = {**apt_tree(tmp_path), "DTRAIN_APT_UPDATE_WAIT_S": "2", "DTRAIN_APT_UPDATE_RETRY_S": "1"}
+    holder = hold_lists_lock(tmp_path, 15)
+    try:
+        r, elapsed = run_function("apt_update", env)
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    assert r.returncode == 1 and "apt-get update still failed after 2s" in r.stderr, r.stderr
+    assert 2 <= elapsed < 10, elapsed

@@ -30,7 +30,7 @@ def test_fmt_check_recursive():
 
 def test_fmt_check_catches_misformatting(tmp_path: Path):
     # The check above must be able to fail: a badly indented copy is reported.
-    bad = (INFRA / "versions.tf").read_text().replace('  required_version = ">= 1.9"', 'required_version=">= 1.9"')
+    bad = (INFRA / "versions.tf").read_text().replace('  required_version = ">= 1.11"', 'required_version=">= 1.11"')
     (tmp_path / "versions.tf").write_text(bad)
     r = TerraformCommand(cwd=str(tmp_path)).fmt(check_input=True, write=False, recursive=True, list=True)
     assert r.retcode != 0
@@ -162,3 +162,54 @@ def test_iam_condition_operator_count_at_63_workers(tmp_path: Path):
     details = " ".join(m["diagnostic"].get("detail", "") for m in messages if "diagnostic" in m)
     assert result.retcode != 0 and "service_conditions_at_the_worker_limit" in failed, failed
     assert "more than 12 logical operators: [64]" in details, details
+
+
+# A machine type of each series the boot-disk table names, and of series it does not (gpu settings as the
+# plan module needs them for that type).
+DISK_CASES = {
+    "g2-standard-8": {"accelerator_type": "nvidia-l4"},
+    "a3-highgpu-8g": {"accelerator_type": "nvidia-h100-80gb", "gpus_per_node": 8},
+    "a2-highgpu-1g": {"accelerator_type": "nvidia-tesla-a100"},
+    "n1-standard-4": {"accelerator_type": "nvidia-tesla-t4"},
+    "c3-standard-8": {"use_gpu": False},
+    "c3d-standard-8": {"use_gpu": False},
+    "e2-medium": {"use_gpu": False},
+}
+
+
+def test_terraform_and_python_agree_on_boot_disk_types(tmp_path: Path):
+    # One table (rules.json's boot_disk_types) for both: every (machine type, disk type) pair that
+    # dtrain.control.gcp.rules refuses, the plan module's disk precondition refuses, and no other.
+    from dtrain.control.gcp.rules import boot_disk_types, machine_family
+
+    work = tmp_path / "plan"
+    shutil.copytree(PLAN, work, ignore=shutil.ignore_patterns(".terraform", ".terraform.lock.hcl", "*.tftest.hcl"))
+    runs, expect = [], {}
+    for machine, extra in DISK_CASES.items():
+        assert machine_family(machine) in machine
+        for disk in ("pd-balanced", "pd-ssd", "pd-standard"):
+            allowed = boot_disk_types(machine)
+            ok = allowed is None or disk in allowed
+            name = f"{machine}_{disk}".replace("-", "_")
+            expect[name] = ok
+            settings = {"machine_type": machine, "disk_type": disk, **extra}
+            lines = "\n".join(f"    {k} = {json.dumps(v)}" for k, v in settings.items())
+            check = (
+                '  assert {\n    condition     = output.machine_type != ""\n    error_message = "plans"\n  }\n'
+                if ok
+                else "  expect_failures = [terraform_data.disk]\n"
+            )
+            runs.append(f'run "{name}" {{\n  command = plan\n  variables {{\n{lines}\n  }}\n{check}}}\n')
+    (work / "tests" / "disks.tftest.hcl").write_text("\n".join(runs))
+    assert set(expect.values()) == {True, False}
+    tf = TerraformCommand(cwd=str(work))
+    assert tf.init(backend=False).retcode == 0
+    result = tf.test()
+    messages = _messages(result.value)
+    status = {
+        m["test_run"]["run"]: m["test_run"]["status"]
+        for m in messages
+        if m.get("type") == "test_run" and "status" in m["test_run"]
+    }
+    assert status == {name: "pass" for name in expect}, {n: s for n, s in status.items() if s != "pass"}
+    assert result.retcode == 0

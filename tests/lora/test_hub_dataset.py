@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hubstandin import Hub
+from hubstandin import LFS_SUFFIXES, Hub
 from runs import Result, cli, isolated_env, metrics, only_run
 
 from dtrain.common.errors import ExitCode
@@ -116,8 +116,9 @@ def model_dir(tmp_path_factory):
 
 def online(hub: Hub, cwd: Path, hf_home: Path, **extra: str) -> dict[str, str]:
     """dtrain's test environment with the stand-in as the Hub: online (no DTRAIN_OFFLINE) unless `extra`
-    says otherwise, caches under `hf_home`, and no download counter sent to the Hub's S3 bucket."""
-    env = isolated_env(cwd, HF_HOME=str(hf_home), HF_ENDPOINT=hub.url, HF_UPDATE_DOWNLOAD_COUNTS="0")
+    says otherwise, caches under `hf_home`, no download counter sent to the Hub's S3 bucket, and the
+    HTTP download path, not Xet's (Hub.client_env: the stand-in does not serve Xet)."""
+    env = isolated_env(cwd, HF_HOME=str(hf_home), **hub.client_env())
     del env["DTRAIN_OFFLINE"]
     return {**env, **extra}
 
@@ -138,11 +139,13 @@ def losses(run: Path) -> dict[int, float]:
 
 def data_downloads(hub: Hub, start: int = 0) -> list[str]:
     """The data files the clients fetched since request number `start` (LFS blobs from the CDN, other
-    files through resolve), leaving out the metadata (card, yaml, dataset_infos.json)."""
+    files through resolve), leaving out the metadata (card, yaml, dataset_infos.json). An LFS file's
+    resolve GET is the redirect to its blob, not a second download."""
     return [
         path
         for method, path in hub.requests[start:]
-        if method == "GET" and (path.startswith("cdn:") or ("/resolve/" in path and "/data/" in path))
+        if method == "GET"
+        and (path.startswith("cdn:") or ("/resolve/" in path and "/data/" in path and not path.endswith(LFS_SUFFIXES)))
     ]
 
 

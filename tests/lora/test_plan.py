@@ -166,7 +166,9 @@ def test_refusals_are_one_line(tmp_path):
     assert "\n" not in str(e.value) and "NVIDIA L4" in str(e.value) and "GiB" in str(e.value)
     lp.refuse_if_unfit(lp.plan(s, accelerator="nvidia-a100-80gb", seq_len=512, batch=1))  # fits: no error
     with pytest.raises(UserError, match="no bf16"):
-        lp.plan(s, accelerator="nvidia-tesla-v100", seq_len=512, batch=1, precision="bf16")
+        lp.plan(s, accelerator="nvidia-tesla-t4", seq_len=512, batch=1, precision="bf16")
+    with pytest.raises(UserError, match="nvidia-tesla-v100 is refused: .*no sm_70 kernels"):
+        lp.plan(s, accelerator="nvidia-tesla-v100", seq_len=512, batch=1)
     with pytest.raises(UserError, match="unknown accelerator"):
         lp.plan(s, accelerator="nvidia-tesla-k80", seq_len=512, batch=1)
     with pytest.raises(UserError, match="Llama-style"):

@@ -24,9 +24,17 @@ locals {
   machine_vcpus  = try(tonumber(regex("^(?:n1-(?:standard|highmem|highcpu)|(?:n1-)?custom)-([0-9]+)", local.machine_type)[0]), null)
 
   # Rules below are gated so one mistake gives one error: the count first, then the machine
-  # family, then the count a fixed-count machine type carries.
-  count_ok  = !local.gpu || contains(local.accelerator.allowed_counts, var.gpus_per_node)
-  family_ok = !local.gpu || contains(local.accelerator.families, local.machine_family)
+  # family, then the count a fixed-count machine type carries. local.accelerator is null on a CPU
+  # node, so each rule that reads it is a conditional (`gpu ? rule : true`), never `!gpu || rule`:
+  # Terraform before 1.12 evaluates both sides of `||` and fails on the null.
+  count_ok  = local.gpu ? contains(local.accelerator.allowed_counts, var.gpus_per_node) : true
+  family_ok = local.gpu ? contains(local.accelerator.families, local.machine_family) : true
+  # A GPU node whose count and family passed: the rules after them may read local.accelerator.
+  gpu_checked = local.gpu && local.count_ok && local.family_ok
+
+  # The boot disk types this machine series takes; null where it takes all three dtrain offers. One
+  # table for every series (rules.json's boot_disk_types), which dtrain.control.gcp.rules reads too.
+  boot_disk_types = try(local.rules.boot_disk_types[local.machine_family], null)
 
   gpus = local.gpu ? var.gpus_per_node : 0
   guest_accelerators = local.gpu ? [{
@@ -103,7 +111,7 @@ resource "terraform_data" "gpu_machine_family" {
   lifecycle {
     precondition {
       condition     = !local.count_ok || local.family_ok
-      error_message = "accelerator ${local.accelerator_type} cannot be attached to ${local.machine_type}: it needs a ${join("/", local.gpu ? local.accelerator.families : [])} machine type (T4 and V100 attach to n1-*; L4 exists only on g2-standard-*, A100 on a2-*, H100 on a3-highgpu-*)."
+      error_message = "accelerator ${local.accelerator_type} cannot be attached to ${local.machine_type}: it needs a ${join("/", local.gpu ? local.accelerator.families : [])} machine type (T4 attaches to n1-*; L4 exists only on g2-standard-*, A100 on a2-*, H100 on a3-highgpu-*)."
     }
   }
 }
@@ -120,10 +128,9 @@ resource "terraform_data" "gpu_count" {
 resource "terraform_data" "gpu_fixed_count" {
   lifecycle {
     precondition {
-      condition = (
-        !local.gpu || !local.count_ok || !local.family_ok || length(local.accelerator.fixed_counts) == 0 ||
-        lookup(local.accelerator.fixed_counts, local.machine_type, -1) == var.gpus_per_node
-      )
+      condition = (local.gpu_checked ?
+        length(local.accelerator.fixed_counts) == 0 || lookup(local.accelerator.fixed_counts, local.machine_type, -1) == var.gpus_per_node
+      : true)
       error_message = "machine type ${local.machine_type} carries ${try(tostring(local.accelerator.fixed_counts[local.machine_type]), "no")} ${local.accelerator_type} GPU(s), not gpus_per_node = ${var.gpus_per_node}; leave machine_type empty to derive the matching type."
     }
   }
@@ -132,10 +139,10 @@ resource "terraform_data" "gpu_fixed_count" {
 resource "terraform_data" "gpu_vcpus" {
   lifecycle {
     precondition {
-      condition = (
-        !local.gpu || !local.count_ok || !local.family_ok || length(local.accelerator.max_vcpus) == 0 || local.machine_vcpus == null ||
-        local.machine_vcpus <= lookup(local.accelerator.max_vcpus, tostring(var.gpus_per_node), 0)
-      )
+      # machine_vcpus is null for types that do not spell their vCPUs (g2-standard-8): `null <= n` fails.
+      condition = (local.gpu_checked && local.machine_vcpus != null ?
+        length(local.accelerator.max_vcpus) == 0 || local.machine_vcpus <= lookup(local.accelerator.max_vcpus, tostring(var.gpus_per_node), 0)
+      : true)
       error_message = "${local.machine_type} has too many vCPUs for ${var.gpus_per_node} x ${local.accelerator_type} (at most ${try(tostring(local.accelerator.max_vcpus[tostring(var.gpus_per_node)]), "?")})."
     }
   }
@@ -147,7 +154,7 @@ resource "terraform_data" "gpu_vcpus" {
 resource "terraform_data" "gpu_spot_only" {
   lifecycle {
     precondition {
-      condition     = !local.gpu || !contains(lookup(local.accelerator, "spot_only", []), local.machine_type) || (var.spot && var.master_spot)
+      condition     = local.gpu ? !contains(local.accelerator.spot_only, local.machine_type) || (var.spot && var.master_spot) : true
       error_message = "${local.machine_type} is offered only as a Spot VM: set spot = true and master_spot = true, or take the on-demand type with more GPUs (${join(", ", local.gpu ? [for n, m in local.accelerator.default_machine : m if !contains(lookup(local.accelerator, "spot_only", []), m)] : [])})."
     }
   }
@@ -165,8 +172,8 @@ resource "terraform_data" "cpu_machine_family" {
 resource "terraform_data" "disk" {
   lifecycle {
     precondition {
-      condition     = !(local.machine_family == "g2" && var.disk_type == "pd-standard")
-      error_message = "G2 machine types do not support pd-standard disks; use pd-balanced or pd-ssd."
+      condition     = local.boot_disk_types == null ? true : contains(local.boot_disk_types, var.disk_type)
+      error_message = "${local.machine_type} does not take a ${var.disk_type} boot disk: ${upper(local.machine_family)} machine types take ${join(" or ", local.boot_disk_types == null ? [] : local.boot_disk_types)}; set disk_type = \"pd-balanced\"."
     }
     precondition {
       condition     = !local.dlvm_image || var.disk_size_gb >= 50

@@ -41,3 +41,20 @@ def cluster_name_rule() -> str:
         f"{r['min_length']}-{r['max_length']} lowercase letters, digits or '-', starting with a letter and not "
         "ending with '-'"
     )
+
+
+def refused_accelerator(name: str) -> str | None:
+    """The one-line reason dtrain refuses accelerator `name` (rules.json's refused_accelerators: a card
+    GCP offers that dtrain's GPU image cannot run), or None."""
+    return rules().get("refused_accelerators", {}).get(name)
+
+
+def machine_family(machine_type: str) -> str:
+    """The series of a machine type, as the plan module derives it: legacy custom types are N1."""
+    return "n1" if machine_type.startswith("custom-") else machine_type.split("-")[0]
+
+
+def boot_disk_types(machine_type: str) -> list[str] | None:
+    """The Persistent Disk types `machine_type` takes as a boot disk (rules.json's boot_disk_types),
+    or None where its series takes every type dtrain offers."""
+    return rules().get("boot_disk_types", {}).get(machine_family(machine_type))

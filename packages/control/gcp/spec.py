@@ -186,6 +186,9 @@ def _check(s: GcpSpec, where: str) -> None:
     lo, hi = rules.limits("worker_count")
     if not lo <= s.workers <= hi:
         raise UserError(f"{where}: workers must be {lo}-{hi}, got {s.workers}")
+    refused = rules.refused_accelerator(s.accelerator)
+    if refused:
+        raise UserError(f"{where}: accelerator {s.accelerator} is refused: {refused}")
     if s.accelerator not in rules.accelerators():
         known = ", ".join(rules.accelerators())
         raise UserError(f"{where}: accelerator must be one of {known}, got {s.accelerator!r}")

@@ -1,46 +1,23 @@
-# V100 (N1), A100 40GB / 80GB (A2) and H100 (A3): the machine type each count derives, and what GCP
+# A100 40GB / 80GB (A2) and H100 (A3): the machine type each count derives, and what GCP
 # would refuse. rules.json holds the tables; these runs check Terraform reads them as intended.
 
-run "v100_one_gpu_derives_n1_standard_8" {
+run "v100_refused_with_its_reason" {
+  # V100 is in rules.json's refused_accelerators: the GPU image's torch build has no sm_70 kernels.
   command = plan
   variables {
     accelerator_type = "nvidia-tesla-v100"
   }
-  assert {
-    condition     = output.machine_type == "n1-standard-8" && output.guest_accelerators[0].type == "nvidia-tesla-v100"
-    error_message = "1 x V100 should derive n1-standard-8 with a guest accelerator, got ${output.machine_type}"
-  }
+  expect_failures = [var.accelerator_type]
 }
 
-run "v100_eight_gpus_derive_n1_standard_64" {
+run "t4_too_many_vcpus_refused" {
+  # One to two T4s allow at most 48 vCPUs.
   command = plan
   variables {
-    accelerator_type = "nvidia-tesla-v100"
-    gpus_per_node    = 8
-  }
-  assert {
-    condition     = output.machine_type == "n1-standard-64" && output.guest_accelerators[0].count == 8
-    error_message = "8 x V100 should derive n1-standard-64, got ${output.machine_type}"
-  }
-}
-
-run "v100_too_many_vcpus_refused" {
-  # One V100 allows at most 12 vCPUs.
-  command = plan
-  variables {
-    accelerator_type = "nvidia-tesla-v100"
-    machine_type     = "n1-standard-16"
+    accelerator_type = "nvidia-tesla-t4"
+    machine_type     = "n1-standard-64"
   }
   expect_failures = [terraform_data.gpu_vcpus]
-}
-
-run "v100_on_g2_refused" {
-  command = plan
-  variables {
-    accelerator_type = "nvidia-tesla-v100"
-    machine_type     = "g2-standard-8"
-  }
-  expect_failures = [terraform_data.gpu_machine_family]
 }
 
 run "a100_counts_derive_a2_highgpu" {

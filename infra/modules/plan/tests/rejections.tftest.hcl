@@ -106,6 +106,51 @@ run "pd_standard_on_g2" {
   expect_failures = [terraform_data.disk]
 }
 
+# rules.json's boot_disk_types: A3 and C3 take no pd-standard either; N1 and E2 do.
+run "pd_standard_on_a3" {
+  command = plan
+  variables {
+    accelerator_type = "nvidia-h100-80gb"
+    gpus_per_node    = 8
+    disk_type        = "pd-standard"
+  }
+  expect_failures = [terraform_data.disk]
+}
+
+run "pd_standard_on_c3_cpu" {
+  command = plan
+  variables {
+    use_gpu      = false
+    machine_type = "c3-standard-8"
+    disk_type    = "pd-standard"
+  }
+  expect_failures = [terraform_data.disk]
+}
+
+run "pd_standard_on_n1_t4_accepted" {
+  command = plan
+  variables {
+    accelerator_type = "nvidia-tesla-t4"
+    disk_type        = "pd-standard"
+  }
+  assert {
+    condition     = output.machine_type == "n1-standard-4"
+    error_message = "pd-standard on N1 should plan"
+  }
+}
+
+run "pd_standard_on_e2_cpu_accepted" {
+  command = plan
+  variables {
+    use_gpu   = false
+    disk_type = "pd-standard"
+  }
+  assert {
+    condition     = output.machine_type == "e2-medium"
+    error_message = "pd-standard on E2 should plan"
+  }
+}
+
 run "dlvm_disk_too_small" {
   command = plan
   variables {
