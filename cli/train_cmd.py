@@ -39,8 +39,8 @@ app = typer.Typer(
         "Train: your own script (dtrain train train.py [ARGS]), a module (-m pkg.train), a [jobs.NAME] table "
         "(dtrain train NAME), any command once per node (dtrain train -- CMD ...), or a built-in example below. "
         "Options: --cluster NAME, --nodes N, --nproc N, --output DIR|gs://..., --resume RUN, --run-id ID, "
-        "--max-restarts N, --hang-timeout S, --time LIMIT (Slurm), --workdir DIR, --setup CMD, --env NAME=VALUE, "
-        "--checkpoint-dir DIR, "
+        "--max-restarts N, --hang-timeout S, --startup-timeout S, --time LIMIT (Slurm), --workdir DIR, --setup CMD, "
+        "--env NAME=VALUE, --checkpoint-dir DIR, "
         "--code-limit MB, --image IMAGE, --accept-new-host-keys, --oversubscribe (docs/user-code.md)."
     ),
     no_args_is_help=True,

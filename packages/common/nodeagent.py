@@ -537,7 +537,10 @@ class HangWatch:
         # on SIGUSR1 (and then runs the sitecustomize it would have run).
         hook = os.path.join(os.path.dirname(os.path.abspath(progress.__file__)), "hangdump")
         env["PYTHONPATH"] = os.pathsep.join([hook, env["PYTHONPATH"]] if env.get("PYTHONPATH") else [hook])
-        self.watcher = progress.Watcher(self.dir, opts.get("timeout_s"))
+        startup = opts.get("startup_s")
+        self.watcher = progress.Watcher(
+            self.dir, opts.get("timeout_s"), startup_s=progress.STARTUP_TIMEOUT_S if startup is None else startup
+        )
         self.save_to = Path(os.path.expanduser(opts.get("stacks_dir") or "hangs"))
         self.host = socket.gethostname()
 
@@ -585,10 +588,10 @@ class HangWatch:
             self.save_to.mkdir(parents=True, exist_ok=True)
             for r, text in stacks.items():
                 (self.save_to / f"{self.host}-rank{r}.txt").write_text(text)
-        line = self.progress.hang_line(self.host, rk.rank, hang.age_s, rk.step, str(path))
+        line = self.progress.hang_line(self.host, rk.rank, hang.age_s, rk.step, str(path), startup=hang.startup)
         _control({"event": "hang", "host": self.host, "rank": rk.rank, "step": rk.step, "state": rk.state,
                   "age_s": round(hang.age_s, 1), "timeout_s": round(hang.timeout_s, 1), "stacks": stacks,
-                  "line": line})  # fmt: skip
+                  "line": line, **hang.facts()})  # fmt: skip
         print(line, flush=True)  # for a launcher that reads no control lines (Slurm's step); the Job drops it
 
     def timeout(self) -> float:
