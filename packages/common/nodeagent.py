@@ -650,7 +650,10 @@ class HangWatch:
 
     def alive(self) -> None:
         """The line that says this agent still answers (every ALIVE_EVERY_S, or a quarter of the timeout)."""
-        _control({"event": "alive", "timeout_s": round(self.timeout(), 1), "medians": self.watcher.medians()})
+        # "ranks": how many of the job's ranks on this node run now (0 once they have all ended: Slurm's batch step
+        # then bounds how long a launcher waiting in its exit barrier may hold the job, slurmstep.NODES_ENDED_WAIT_S).
+        _control({"event": "alive", "timeout_s": round(self.timeout(), 1), "medians": self.watcher.medians(),
+                  "ranks": len(self.watcher.ranks)})  # fmt: skip
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
