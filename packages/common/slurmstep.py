@@ -539,9 +539,10 @@ class Hangs:
             with contextlib.suppress(TypeError, ValueError):
                 self.alive[node] = (time.monotonic(), float(ev.get("timeout_s") or 0))
             with contextlib.suppress(TypeError, ValueError):
-                self.ranks[node] = int(ev["ranks"])
-                if self.ranks[node] > 0:
-                    self.had_ranks.add(node)
+                if ev.get("ranks") is not None:  # an agent from before it was reported says nothing of its ranks
+                    self.ranks[node] = int(ev["ranks"])
+                    if self.ranks[node] > 0:
+                        self.had_ranks.add(node)
             self.on_alive(node, ev)
 
     def on_hang(self, node: str, ev: dict[str, Any]) -> None:

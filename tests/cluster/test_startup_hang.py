@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from projects import make_freeze_project
 from runs import CLI
 
 from dtrain.common.errors import ExitCode
@@ -24,21 +25,6 @@ from .test_launch import bucket, cli_env, job_processes, run_of
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
-# The last rank (on h1) freezes its torchrun and then itself before its first step; the other rank steps.
-FREEZE_SCRIPT = """\
-import os
-import signal
-import time
-
-from dtrain import sdk
-
-if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:
-    os.kill(os.getppid(), signal.SIGSTOP)
-    os.kill(os.getpid(), signal.SIGSTOP)
-for step in range(1, 100000):
-    time.sleep(0.1)
-    sdk.log(step, loss=1.0 / step)
-"""
 STARTUP_S = 5
 
 
@@ -50,7 +36,7 @@ def emulator(testbed: Testbed) -> str:
 def test_a_rank_frozen_with_its_torchrun_before_its_first_step_ends_the_job_as_a_start_up_hang(
     testbed: Testbed, known_hosts: Path, emulator: str, tmp_path: Path
 ) -> None:
-    (tmp_path / "train.py").write_text(FREEZE_SCRIPT)
+    make_freeze_project(tmp_path)  # the last rank (on h1) freezes its torchrun and itself
     toml = testbed.cluster_toml("bed", sys.executable, env={"STORAGE_EMULATOR_HOST": emulator}, known_hosts=known_hosts)
     (tmp_path / "dtrain.toml").write_text(toml)
     out = bucket(emulator)

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from projects import make_freeze_project
 from runs import CLI, isolated_env
 
 from dtrain.common import progress
@@ -20,22 +21,6 @@ from dtrain.common.rundir import read_json
 from dtrain.common.storage import open_store
 
 HOST = socket.gethostname()
-
-# Rank 1 stops itself before its first step, as a rank frozen in its set-up would look from outside; rank 0 steps.
-FREEZE_SCRIPT = """\
-import os
-import signal
-import time
-
-from dtrain import sdk
-
-rank = int(os.environ["RANK"])
-if rank == 1:
-    os.kill(os.getpid(), signal.SIGSTOP)
-for step in range(1, 100000):
-    time.sleep(0.1)
-    sdk.log(step, loss=1.0 / step)
-"""
 
 
 def test_the_start_up_bound_applies_until_the_step_time_is_known():
@@ -59,7 +44,7 @@ def test_the_start_up_timeout_is_a_setting_refused_when_negative(tmp_path: Path)
 def test_a_rank_frozen_before_its_first_step_is_a_start_up_hang(tmp_path: Path):
     """Automatic hang timeout (900 s for a rank with no step time), --startup-timeout 3: the frozen rank is named,
     as a start-up hang, within seconds, and the job ends (exit 4) with the run failed for that reason."""
-    (tmp_path / "train.py").write_text(FREEZE_SCRIPT)
+    make_freeze_project(tmp_path)  # rank 1 freezes its torchrun and itself before its first step
     out = tmp_path / "runs"
     args = ["train", "train.py", "--nproc", "2", "--startup-timeout", "3", "--output", str(out)]
     r = subprocess.run([*CLI, *args], cwd=tmp_path, env=isolated_env(tmp_path), capture_output=True, text=True,

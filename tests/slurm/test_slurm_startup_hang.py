@@ -15,38 +15,24 @@ import time
 from pathlib import Path
 
 import pytest
+from projects import make_freeze_project
 
 from dtrain.common.nodeagent import HANG_GRACE_S, RANKS_ENDED_WAIT_S
 from dtrain.common.slurmstep import NODES_ENDED_WAIT_S
 
 from .conftest import Env
 from .test_slurm_bed import job_processes
+from .test_slurm_hangs import rows, wait_for
 from .test_slurm_programs import BED, dtrain
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
-FREEZE_SCRIPT = """\
-import os
-import signal
-import time
-
-from dtrain import sdk
-
-if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:
-    os.kill(os.getppid(), signal.SIGSTOP)
-    os.kill(os.getpid(), signal.SIGSTOP)
-for step in range(1, 100000):
-    time.sleep(0.1)
-    sdk.log(step, loss=1.0 / step)
-"""
 STARTUP_S = 5
 
 
 @pytest.mark.timeout(300)
 def test_a_rank_frozen_before_its_first_step_ends_the_job_as_a_start_up_hang(bed: Env, tmp_path: Path) -> None:
-    project = tmp_path / "proj"
-    project.mkdir()
-    (project / "train.py").write_text(FREEZE_SCRIPT)
+    project = make_freeze_project(tmp_path / "proj")
     t0 = time.monotonic()
     r = dtrain(bed, "submit", "train.py", *BED, "--nproc", "1", "--output", str(bed.runs), "--workdir", str(project),
                "--startup-timeout", str(STARTUP_S), "--name", "startup-hang")  # fmt: skip
@@ -56,7 +42,7 @@ def test_a_rank_frozen_before_its_first_step_ends_the_job_as_a_start_up_hang(bed
     took = time.monotonic() - t0
     assert row["exit_code"] == 4 and row["restarts"] == 0 and row["hang_restarts"] == 0, row
     run = Path(row["url"])
-    events = _rows(run / "events.jsonl")
+    events = rows(run / "events.jsonl")
     (hang,) = [e for e in events if e["event"] == "hang"]
     assert hang["phase"] == "startup" and hang["timeout_s"] == STARTUP_S and hang["step"] is None, hang
     status = json.loads((run / "status.json").read_text())
@@ -70,19 +56,6 @@ def test_a_rank_frozen_before_its_first_step_ends_the_job_as_a_start_up_hang(bed
         assert time.monotonic() < deadline, job_processes(bed)
         time.sleep(1)
     print(f"start-up hang on Slurm: the job FAILED (exit 4) {took:.1f} s after `dtrain submit`")
-
-
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
-def _wait_for(predicate, timeout: float):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if got := predicate():
-            return got
-        time.sleep(0.5)
-    pytest.fail(f"not within {timeout:.0f} s")
 
 
 def _launchers(bed: Env, host: str) -> list[int]:
@@ -131,7 +104,7 @@ def test_a_frozen_torchrun_whose_ranks_finished_does_not_hold_the_job(bed: Env, 
     assert r.returncode == 0 and r.stdout.strip().isdigit(), r.stdout + r.stderr
     job = r.stdout.strip()
     run = Path(bed.wait(job, lambda j: j["state"] == "RUNNING", timeout=120, what="RUNNING")["url"])
-    pids = _wait_for(lambda: _rows(run / "metrics.jsonl") and _launchers(bed, "h1"), 120)
+    pids = wait_for(lambda: rows(run / "metrics.jsonl") and _launchers(bed, "h1"), 120, "a step, and torchrun on h1")
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
     try:
@@ -144,7 +117,7 @@ def test_a_frozen_torchrun_whose_ranks_finished_does_not_hold_the_job(bed: Env, 
     assert row["exit_code"] == 0, row
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "completed", status
-    held = ended - max(m["time"] for m in _rows(run / "metrics.jsonl"))
+    held = ended - max(m["time"] for m in rows(run / "metrics.jsonl"))
     print(f"frozen torchrun on h1: the job ended {held:.1f} s after the run's last metrics row")
     out = bed.dtrain("logs", job, "--cluster", "bed").stdout
     assert "all exited 0 30 s ago, but their launcher has not ended: stopping it" in out, out[-3000:]
