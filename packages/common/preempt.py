@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from types import FrameType
 from typing import Any
 
 # Seconds of wall time between two agreements on the flag. A SIGTERM is acted on within about this,
 # plus the steps in progress (see PreemptionPoll), plus the checkpoint: well inside a spot VM's ~30 s notice.
 PREEMPT_POLL_INTERVAL_S = 1.0
-# Ranks post an agreement at the latest this many steps after the previous one's highest step (sooner
-# when the interval has passed), which keeps ranks that share no collective within that many steps.
-PREEMPT_POLL_MAX_STEPS = 100
 
 
 class PreemptionWatch:
@@ -47,48 +43,42 @@ class PreemptionWatch:
 
 
 def stop_bound_s(interval_s: float, step_s: float) -> float:
-    """The longest a stop can take from SIGTERM to the loop's exit, with steps of at most `step_s`:
-    the signal waits for the next agreement to be posted (the interval, then the step in progress),
-    that agreement completes once every rank has posted it (the slowest rank's interval and step),
-    and the ranks stop one step after the highest step in it (that step, and the next)."""
+    """The longest a stop can take from SIGTERM to the loop's exit, with steps of at most `step_s`, for ranks
+    in step with each other (a collective every step, as DDP's): the signal waits for the next agreement to be
+    posted (the interval), which carries the step the rank last polled (the step in progress is one more); the
+    ranks stop one step after the highest step in it (and a rank may be a step behind the highest)."""
     return interval_s + 3 * step_s
 
 
 class PreemptionPoll:
     """Call it after every step: True on every rank, at the same step, once any rank got SIGTERM.
 
-    Why not a blocking agreement every k steps: k would be sized from the step times measured so far,
-    and if steps then slow down (checkpoint back-pressure, a slow upload) a stop waits k of the slower
-    steps, past a spot VM's notice. Here each rank posts a non-blocking all-reduce of (flag, its step)
-    on a gloo group that nothing else uses, once PREEMPT_POLL_INTERVAL_S of its own wall time has passed
-    since its previous one, and never a second before the first has completed: so the n-th post of
-    every rank meets the n-th of the others, whatever step each posts it at. The training thread never
-    waits on it, except in one case below. When one completes with the flag set, every rank has the same
-    (flag, highest step M) and stops after step M + 1, the same step everywhere.
+    Why not a blocking agreement every k steps: k would be sized from the step times measured so far, and if
+    steps then slow down (checkpoint back-pressure, a slow upload) a stop waits k of the slower steps, past a
+    spot VM's notice. Here a thread of each rank posts an all-reduce of (flag, the rank's last polled step) on
+    a gloo group that nothing else uses, waits for it, sleeps PREEMPT_POLL_INTERVAL_S and posts again: the n-th
+    post of every rank meets the n-th of the others, and as the posts complete together the threads stay in
+    time with each other. When one completes with the flag set, every rank has the same (flag, highest step M)
+    and stops after step M + 1, the same step everywhere.
 
-    That is safe because no rank can be past step M + 1 when it learns of the stop: a rank that posted at
-    step c (c <= M) and still has no answer at step c + 1 waits for it there, before deciding that step.
-    Ranks in step with each other (DDP's gradient all-reduce) post within a step of each other, so that
-    wait is short and rare. Stop latency: stop_bound_s(). Ranks that share no collective per step could
-    drift apart, and the slower would then have to catch up before the stop; so each rank also posts,
-    at the latest, at a step every rank computes alike: the previous agreement's highest step plus k,
-    k sized from the slowest seconds per step in it (about an interval's worth, 1 <= k <=
-    PREEMPT_POLL_MAX_STEPS). `close()` is collective: call it on every rank
-    at the end of training (run_workload does), so no rank leaves a post its peers never meet."""
+    No rank can be past step M + 1 when it learns of the stop: a rank whose post, made when it had polled step
+    c (c <= M), has no answer yet when it polls step c + 1 waits for it there. That wait cannot deadlock with
+    the training's own collectives, because the peers' posts come from their threads, not from their training
+    loops; and it is short, since the threads post at about the same moment. Stop latency: stop_bound_s().
+    `close()` is collective: call it on every rank at the end of training (run_workload does), so no rank
+    leaves a post its peers never meet."""
 
-    def __init__(
-        self,
-        d: Any,
-        watch: PreemptionWatch,
-        interval_s: float = PREEMPT_POLL_INTERVAL_S,
-        max_steps: int = PREEMPT_POLL_MAX_STEPS,
-    ) -> None:
-        self.d, self.watch, self.interval_s, self.max_steps = d, watch, interval_s, max_steps
-        self.due_step = 1  # every rank posts at this step if its clock has not made it post sooner
+    def __init__(self, d: Any, watch: PreemptionWatch, interval_s: float = PREEMPT_POLL_INTERVAL_S) -> None:
+        self.d, self.watch, self.interval_s = d, watch, interval_s
         self.posts = 0  # agreements this rank has posted
         self.stop_at: int | None = None  # the step every rank stops after, once agreed
-        self._work: Any = None  # the posted agreement: (handle, tensor, step posted at)
-        self._posted: tuple[int, float] | None = None  # (step, time.perf_counter()) of the last post
+        self._step = 0  # the last step polled
+        self._pending: int | None = None  # the step polled when the post in flight was made
+        self._error: BaseException | None = None
+        self._closing = False
+        self._cond = threading.Condition()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
         self._group: Any = None
         if d.backend is not None:
             import torch.distributed as dist
@@ -98,51 +88,62 @@ class PreemptionPoll:
     def __call__(self, step: int) -> bool:
         if self._group is None:
             return self.watch.requested
-        if self._work is not None:
-            handle, _, posted_step = self._work
-            if step > posted_step or handle.is_completed():
-                self._collect()
-        if self.stop_at is not None:
-            return step >= self.stop_at
-        if self._work is not None:
-            return False
-        now = time.perf_counter()
-        if step >= self.due_step or self._posted is None or now - self._posted[1] >= self.interval_s:
-            per_step = (now - self._posted[1]) / max(1, step - self._posted[0]) if self._posted else 0.0
-            self._post(step, 1.0 if self.watch.requested else 0.0, per_step)
-            self._posted = (step, now)
-        return False
+        with self._cond:
+            self._step = step
+            while self._pending is not None and step > self._pending and self._error is None:
+                self._cond.wait()
+            if self._error is not None:
+                raise RuntimeError(f"the ranks' agreement on a stop failed: {self._error}") from self._error
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._agree, name="dtrain-preempt-poll", daemon=True)
+                self._thread.start()
+            return self.stop_at is not None and step >= self.stop_at
 
-    def _post(self, step: int, flag: float, per_step: float = 0.0) -> None:
+    def _post(self, flag: float, step: int) -> tuple[Any, Any]:
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor([flag, float(step), per_step], dtype=torch.float64)
-        self._work = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group, async_op=True), t, step)
+        t = torch.tensor([flag, float(step)], dtype=torch.float64)
         self.posts += 1
+        return dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group, async_op=True), t
 
-    def _collect(self) -> None:
-        handle, t, _ = self._work
-        handle.wait()
-        self._work = None
-        flag, highest, slowest = t.tolist()
-        if flag > 0:
-            self.stop_at = int(highest) + 1
-        every = 1 if slowest <= 0 else max(1, min(self.max_steps, int(self.interval_s / slowest)))
-        self.due_step = int(highest) + every
+    def _agree(self) -> None:
+        while True:
+            with self._cond:
+                if self._closing:
+                    return
+                self._pending = self._step
+                handle, t = self._post(1.0 if self.watch.requested else 0.0, self._step)
+            try:
+                handle.wait()
+            except BaseException as e:  # noqa: BLE001 - a peer is gone: the training loop says so
+                with self._cond:
+                    self._error, self._pending = e, None
+                    self._cond.notify_all()
+                return
+            flag, highest = t.tolist()
+            with self._cond:
+                if flag > 0:
+                    self.stop_at = int(highest) + 1
+                self._pending = None
+                self._cond.notify_all()
+                if self.stop_at is not None:
+                    return  # every rank got the same answer: none posts again
+            self._wake.wait(self.interval_s)
 
     def close(self) -> None:
-        """Meet every peer's posts, so none is left waiting in one: the ranks agree (blocking, on the
-        main group) on the most posts any made, each posts up to that, then waits for its posts.
-        Collective. A rank may hold a post its peers have not met yet, so it must not wait for that
-        one before the agreement."""
+        """Meet every peer's posts, so none is left waiting in one: the thread stops posting, the ranks agree
+        (blocking, on the main group) on the most posts any made, each posts up to that, and waits for the
+        thread. Collective."""
         if self._group is None:
             return
-        (most,) = self.d.max_of(float(self.posts))
-        pending = [self._work] if self._work is not None else []
-        while self.posts < int(most):
-            self._post(-1, 0.0)
-            pending.append(self._work)
-        for handle, _, _ in pending:
+        with self._cond:
+            self._closing = True
+            posts = self.posts
+        self._wake.set()
+        (most,) = self.d.max_of(float(posts))
+        extra = [self._post(0.0, -1)[0] for _ in range(int(most) - posts)]
+        for handle in extra:
             handle.wait()
-        self._work = None
+        if self._thread is not None:
+            self._thread.join()
