@@ -47,3 +47,28 @@ def write_wheel(folder: Path, name: str, version: str, code: str) -> Path:
         for path, data in files.items():
             z.writestr(path, data)
     return out
+
+
+# A program whose last rank freezes its launcher (torchrun) and then itself (SIGSTOP) before its first step, as a
+# rank stuck in its set-up looks from outside (issue 31); the other ranks step and log through the SDK.
+FREEZE_BEFORE_FIRST_STEP = """\
+import os
+import signal
+import time
+
+from dtrain import sdk
+
+if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:
+    os.kill(os.getppid(), signal.SIGSTOP)
+    os.kill(os.getpid(), signal.SIGSTOP)
+for step in range(1, 100000):
+    time.sleep(0.1)
+    sdk.log(step, loss=1.0 / step)
+"""
+
+
+def make_freeze_project(dest: Path) -> Path:
+    """A folder with train.py = FREEZE_BEFORE_FIRST_STEP."""
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "train.py").write_text(FREEZE_BEFORE_FIRST_STEP)
+    return dest

@@ -45,6 +45,10 @@ WATCH_EVERY_S = 1.0  # the ranks' progress is looked at this often (dtrain.commo
 ALIVE_EVERY_S = 5.0  # an "alive" control line this often (at most): the launcher takes a silent agent for hung
 STACKS_WAIT_S = 3.0  # how long the hung ranks get to write their stacks before the job is stopped anyway
 HANG_GRACE_S = 5.0  # a hung job: SIGTERM, then SIGKILL this much later (there is nothing to save)
+# Every rank of the job on this node exited 0, but the process that started them (torchrun) has not: it is stopped
+# this much later, and the job's exit code on this node is the ranks' 0. A launcher that reaps its ranks (a live
+# torchrun in its exit barrier, waiting for the other nodes) is left alone: torchrun bounds that wait itself.
+RANKS_ENDED_WAIT_S = 30.0
 
 
 # What `info --cached` keeps between launches: importing torch to learn its version takes a second or more,
@@ -270,6 +274,51 @@ def tree(pid: int) -> list[int]:
         out.append(p)
         todo.extend(kids.get(p, []))
     return out
+
+
+class EndedRanks:
+    """Whether the job's ranks on this node have all exited 0 while their launcher lives on, unable to reap them
+    (frozen, or stuck): `update(pids)` every poll, with the job's process tree; True once that has lasted
+    `wait_s`. A rank is a process that carries RANK in its environment and whose parent does not (learnt while
+    it runs: a zombie's environment cannot be read); a zombie's exit status is in /proc/<pid>/stat (field 52)."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+        self.ranks: set[int] = set()
+        self.since: float | None = None  # when every rank was first seen exited 0
+
+    @staticmethod
+    def _stat(pid: int) -> list[str] | None:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()  # from field 3 (state) on
+        except (OSError, IndexError):
+            return None
+
+    @staticmethod
+    def _has_rank(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                return any(item.startswith(b"RANK=") for item in f.read().split(b"\0"))
+        except OSError:
+            return False
+
+    def update(self, pids: list[int], now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        for pid in pids:
+            if pid not in self.ranks and self._has_rank(pid):
+                fields = self._stat(pid)
+                if fields is not None and not self._has_rank(int(fields[1])):
+                    self.ranks.add(pid)
+        stats = [self._stat(pid) for pid in self.ranks]
+        # A zombie that exited 0: state Z, and a wait status of 0 (field 52: index 49 from field 3).
+        done = bool(stats) and all(st is not None and st[0] == "Z" and len(st) > 49 and st[49] == "0" for st in stats)
+        if not done:
+            self.since = None
+            return False
+        if self.since is None:
+            self.since = now
+        return now - self.since >= self.wait_s
 
 
 def signal_tree(pid: int, sig: int, *, only_root: bool = False) -> None:
@@ -537,7 +586,10 @@ class HangWatch:
         # on SIGUSR1 (and then runs the sitecustomize it would have run).
         hook = os.path.join(os.path.dirname(os.path.abspath(progress.__file__)), "hangdump")
         env["PYTHONPATH"] = os.pathsep.join([hook, env["PYTHONPATH"]] if env.get("PYTHONPATH") else [hook])
-        self.watcher = progress.Watcher(self.dir, opts.get("timeout_s"))
+        startup = opts.get("startup_s")
+        self.watcher = progress.Watcher(
+            self.dir, opts.get("timeout_s"), startup_s=progress.STARTUP_TIMEOUT_S if startup is None else startup
+        )
         self.save_to = Path(os.path.expanduser(opts.get("stacks_dir") or "hangs"))
         self.host = socket.gethostname()
 
@@ -585,10 +637,10 @@ class HangWatch:
             self.save_to.mkdir(parents=True, exist_ok=True)
             for r, text in stacks.items():
                 (self.save_to / f"{self.host}-rank{r}.txt").write_text(text)
-        line = self.progress.hang_line(self.host, rk.rank, hang.age_s, rk.step, str(path))
+        line = self.progress.hang_line(self.host, rk.rank, hang.age_s, rk.step, str(path), startup=hang.startup)
         _control({"event": "hang", "host": self.host, "rank": rk.rank, "step": rk.step, "state": rk.state,
                   "age_s": round(hang.age_s, 1), "timeout_s": round(hang.timeout_s, 1), "stacks": stacks,
-                  "line": line})  # fmt: skip
+                  "line": line, **hang.facts()})  # fmt: skip
         print(line, flush=True)  # for a launcher that reads no control lines (Slurm's step); the Job drops it
 
     def timeout(self) -> float:
@@ -598,7 +650,10 @@ class HangWatch:
 
     def alive(self) -> None:
         """The line that says this agent still answers (every ALIVE_EVERY_S, or a quarter of the timeout)."""
-        _control({"event": "alive", "timeout_s": round(self.timeout(), 1), "medians": self.watcher.medians()})
+        # "ranks": how many of the job's ranks on this node run now (0 once they have all ended: Slurm's batch step
+        # then bounds how long a launcher waiting in its exit barrier may hold the job, slurmstep.NODES_ENDED_WAIT_S).
+        _control({"event": "alive", "timeout_s": round(self.timeout(), 1), "medians": self.watcher.medians(),
+                  "ranks": len(self.watcher.ranks)})  # fmt: skip
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -735,8 +790,17 @@ def run(spec_env: str = "") -> int:
 
     if watch is not None:
         threading.Thread(target=watch_progress, name="hang-watch", daemon=True).start()
+    ended = EndedRanks(float(spec.get("ranks_ended_wait_s", RANKS_ENDED_WAIT_S)))
+    launcher_stuck = False
     while proc.poll() is None:
         snapshot[:] = tree(proc.pid)  # the last view of the job's processes, to sweep at the end
+        if ended.update(snapshot):
+            launcher_stuck = True
+            _say(f"the job's ranks on {socket.gethostname()} all exited 0 {ended.wait_s:.0f} s ago, but their "
+                 "launcher has not ended: stopping it; the ranks' exit code 0 stands")  # fmt: skip
+            stop_within_grace(HANG_GRACE_S)
+            killed.clear()  # the ranks had ended by themselves: the folder is as they left it
+            break
         time.sleep(0.5)
     for p in snapshot[1:]:  # whatever the job left behind
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -747,6 +811,8 @@ def run(spec_env: str = "") -> int:
         watch.close()
         if hung:
             return watch.progress.HUNG_EXIT
+    if launcher_stuck:
+        return 0
     return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
 
 

@@ -1,25 +1,23 @@
 """SIGTERM -> finish the current step, checkpoint, exit with ExitCode.PREEMPTED.
 
 A GCP spot VM sends SIGTERM about 30 s before it stops, and torchrun forwards it to every worker.
-The handler only sets a flag. The ranks agree on it (`Dist.max_of`, so every rank stops at the
-same step even if the signal reached only some of them) about once a PREEMPT_POLL_INTERVAL_S,
-not after every step: the agreement is a blocking round trip through every rank
-(benchmarks/preempt_poll.py measures it).
+The handler only sets a flag. The ranks agree on it (so every rank stops at the same step even if the
+signal reached only some of them) about once a PREEMPT_POLL_INTERVAL_S of wall time, not after every
+step: a blocking agreement is a round trip through every rank (benchmarks/preempt_poll.py measures
+it). The agreement runs in the background, on a gloo group of its own, so that its cadence is set by
+the clock and not by a number of steps chosen from step times that can change (docs/preemption.md).
 """
 
 from __future__ import annotations
 
 import signal
 import threading
-import time
 from types import FrameType
 from typing import Any
 
-# Seconds of training between two agreements on the flag. A SIGTERM is acted on within this, plus the
-# step in progress, plus the checkpoint: well inside a spot VM's ~30 s notice.
+# Seconds of wall time between two agreements on the flag. A SIGTERM is acted on within about this,
+# plus the steps in progress (see PreemptionPoll), plus the checkpoint: well inside a spot VM's ~30 s notice.
 PREEMPT_POLL_INTERVAL_S = 1.0
-# However short the steps, the flag is agreed on at least every this many steps.
-PREEMPT_POLL_MAX_STEPS = 100
 
 
 class PreemptionWatch:
@@ -44,35 +42,108 @@ class PreemptionWatch:
         return self._event.is_set()
 
 
+def stop_bound_s(interval_s: float, step_s: float) -> float:
+    """The longest a stop can take from SIGTERM to the loop's exit, with steps of at most `step_s`, for ranks
+    in step with each other (a collective every step, as DDP's): the signal waits for the next agreement to be
+    posted (the interval), which carries the step the rank last polled (the step in progress is one more); the
+    ranks stop one step after the highest step in it (and a rank may be a step behind the highest)."""
+    return interval_s + 3 * step_s
+
+
 class PreemptionPoll:
     """Call it after every step: True on every rank, at the same step, once any rank got SIGTERM.
 
-    It agrees on the flag only every k steps, k chosen so that k steps take about
-    PREEMPT_POLL_INTERVAL_S (1 <= k <= PREEMPT_POLL_MAX_STEPS). Each agreement carries every
-    rank's seconds per step since the previous one, and k is worked out from their maximum, so
-    every rank computes the same k and polls at the same steps: a rank that polled alone would wait
-    in a collective its peers never join. The first agreement is after the first step; k follows the
-    step time as it changes (an evaluation makes that interval's steps look slow, so the next is
-    shorter)."""
+    Why not a blocking agreement every k steps: k would be sized from the step times measured so far, and if
+    steps then slow down (checkpoint back-pressure, a slow upload) a stop waits k of the slower steps, past a
+    spot VM's notice. Here a thread of each rank posts an all-reduce of (flag, the rank's last polled step) on
+    a gloo group that nothing else uses, waits for it, sleeps PREEMPT_POLL_INTERVAL_S and posts again: the n-th
+    post of every rank meets the n-th of the others, and as the posts complete together the threads stay in
+    time with each other. When one completes with the flag set, every rank has the same (flag, highest step M)
+    and stops after step M + 1, the same step everywhere.
 
-    def __init__(
-        self,
-        d: Any,
-        watch: PreemptionWatch,
-        interval_s: float = PREEMPT_POLL_INTERVAL_S,
-        max_steps: int = PREEMPT_POLL_MAX_STEPS,
-    ) -> None:
-        self.d, self.watch = d, watch
-        self.interval_s, self.max_steps = interval_s, max_steps
-        self.next_step: int | None = None  # the first call polls
-        self.last: tuple[int, float] | None = None  # (step, time) of the previous agreement
+    No rank can be past step M + 1 when it learns of the stop: a rank whose post, made when it had polled step
+    c (c <= M), has no answer yet when it polls step c + 1 waits for it there. That wait cannot deadlock with
+    the training's own collectives, because the peers' posts come from their threads, not from their training
+    loops; and it is short, since the threads post at about the same moment. Stop latency: stop_bound_s().
+    `close()` is collective: call it on every rank at the end of training (run_workload does), so no rank
+    leaves a post its peers never meet."""
+
+    def __init__(self, d: Any, watch: PreemptionWatch, interval_s: float = PREEMPT_POLL_INTERVAL_S) -> None:
+        self.d, self.watch, self.interval_s = d, watch, interval_s
+        self.posts = 0  # agreements this rank has posted
+        self.stop_at: int | None = None  # the step every rank stops after, once agreed
+        self._step = 0  # the last step polled
+        self._pending: int | None = None  # the step polled when the post in flight was made
+        self._error: BaseException | None = None
+        self._closing = False
+        self._cond = threading.Condition()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._group: Any = None
+        if d.backend is not None:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo", timeout=d.timeout)
 
     def __call__(self, step: int) -> bool:
-        if self.next_step is not None and step < self.next_step:
-            return False
-        now = time.perf_counter()
-        per_step = (now - self.last[1]) / max(1, step - self.last[0]) if self.last else 0.0
-        flag, slowest = self.d.max_of(1.0 if self.watch.requested else 0.0, per_step)
-        every = 1 if slowest <= 0 else max(1, min(self.max_steps, int(self.interval_s / slowest)))
-        self.next_step, self.last = step + every, (step, now)
-        return flag > 0
+        if self._group is None:
+            return self.watch.requested
+        with self._cond:
+            self._step = step
+            while self._pending is not None and step > self._pending and self._error is None:
+                self._cond.wait()
+            if self._error is not None:
+                raise RuntimeError(f"the ranks' agreement on a stop failed: {self._error}") from self._error
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._agree, name="dtrain-preempt-poll", daemon=True)
+                self._thread.start()
+            return self.stop_at is not None and step >= self.stop_at
+
+    def _post(self, flag: float, step: int) -> tuple[Any, Any]:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([flag, float(step)], dtype=torch.float64)
+        self.posts += 1
+        return dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group, async_op=True), t
+
+    def _agree(self) -> None:
+        while True:
+            with self._cond:
+                if self._closing:
+                    return
+                self._pending = self._step
+                handle, t = self._post(1.0 if self.watch.requested else 0.0, self._step)
+            try:
+                handle.wait()
+            except BaseException as e:  # noqa: BLE001 - a peer is gone: the training loop says so
+                with self._cond:
+                    self._error, self._pending = e, None
+                    self._cond.notify_all()
+                return
+            flag, highest = t.tolist()
+            with self._cond:
+                if flag > 0:
+                    self.stop_at = int(highest) + 1
+                self._pending = None
+                self._cond.notify_all()
+                if self.stop_at is not None:
+                    return  # every rank got the same answer: none posts again
+            self._wake.wait(self.interval_s)
+
+    def close(self) -> None:
+        """Meet every peer's posts, so none is left waiting in one: the thread stops posting, the ranks agree
+        (blocking, on the main group) on the most posts any made, each posts up to that, and waits for the
+        thread. Collective."""
+        if self._group is None:
+            return
+        with self._cond:
+            self._closing = True
+            posts = self.posts
+        self._wake.set()
+        (most,) = self.d.max_of(float(posts))
+        extra = [self._post(0.0, -1)[0] for _ in range(int(most) - posts)]
+        for handle in extra:
+            handle.wait()
+        if self._thread is not None:
+            self._thread.join()

@@ -33,6 +33,10 @@ FLOOR_S = 30.0  # the automatic hang timeout is never shorter
 K = 10.0  # ... and otherwise K x the rank's median step interval
 MIN_STEPS = 3  # steps seen between heartbeats before the automatic timeout applies
 NO_STEP_TIMEOUT_S = 900.0  # a rank with no step yet (starting, or user code without the SDK): judged by CPU
+# Start-up (a rank's first MIN_STEPS steps: rendezvous, NCCL init, data loading, the first collectives) has a
+# bound of its own: a rank that makes no progress for this long before then is hung at start-up. Set by the
+# launch setting startup_timeout (0: none of its own, the hang timeout's rule: NO_STEP_TIMEOUT_S when automatic).
+STARTUP_TIMEOUT_S = 300.0
 STRAGGLER_RATIO = 1.5  # a rank whose median step is this much slower than the others' median
 HUNG_EXIT = 4  # = errors.ExitCode.HUNG: the node agent stopped a hung job
 
@@ -86,14 +90,23 @@ def read_beat(path: str | Path) -> tuple[int, float] | None:
 # --- rules -----------------------------------------------------------------------------------------------
 
 
-def hang_timeout(intervals: list[float], explicit: float | None, steps: int | None = None) -> float:
-    """Seconds without progress after which a rank is hung: `explicit` (--hang-timeout) when set, else
-    max(FLOOR_S, K x the median step interval), or NO_STEP_TIMEOUT_S until the intervals span MIN_STEPS steps
-    (`steps`; by default one step an interval)."""
+def starting(intervals: list[float], steps: int | None = None) -> bool:
+    """Whether a rank is still starting: its heartbeats span fewer than MIN_STEPS steps (`steps`; by default
+    one step an interval), so its step time is not known yet."""
+    return not intervals or (len(intervals) if steps is None else steps) < MIN_STEPS
+
+
+def hang_timeout(
+    intervals: list[float], explicit: float | None, steps: int | None = None, startup: float | None = None
+) -> float:
+    """Seconds without progress after which a rank is hung. While it is starting (`starting`): the shorter of
+    `startup` (the start-up bound, startup_timeout) and `explicit` (--hang-timeout), those that are set, else
+    NO_STEP_TIMEOUT_S. Then `explicit` when set, else max(FLOOR_S, K x the median step interval)."""
+    if starting(intervals, steps):
+        bounds = [float(b) for b in (explicit, startup) if b]
+        return min(bounds) if bounds else NO_STEP_TIMEOUT_S
     if explicit:
         return float(explicit)
-    if not intervals or (len(intervals) if steps is None else steps) < MIN_STEPS:
-        return NO_STEP_TIMEOUT_S
     return max(FLOOR_S, K * statistics.median(intervals))
 
 
@@ -150,10 +163,20 @@ def _since(step: Any) -> str:
     return "before its first step" if step is None else f"since step {step}"
 
 
-def hang_line(node: str, rank: Any, age_s: Any, step: Any, where: str) -> str:
-    """The one line a hang gets: "dtrain: hang on h1 rank 2: no progress for 31 s since step 25; stacks in ..."."""
+STARTUP = "at start-up"  # what the line and the error add for a hang while starting (the event's "phase": "startup")
+
+
+def _phase(startup: bool) -> str:
+    return f", {STARTUP}" if startup else ""
+
+
+def hang_line(node: str, rank: Any, age_s: Any, step: Any, where: str, *, startup: bool = False) -> str:
+    """The one line a hang gets: "dtrain: hang on h1 rank 2: no progress for 31 s since step 25; stacks in ...";
+    a hang while starting (the start-up bound) says so: "... before its first step, at start-up; stacks in ..."."""
     age = f"{float(age_s or 0):.0f} s"
-    return f"dtrain: hang on {node} rank {rank}: no progress for {age} {_since(step)}; stacks in {where}"
+    return (
+        f"dtrain: hang on {node} rank {rank}: no progress for {age} {_since(step)}{_phase(startup)}; stacks in {where}"
+    )
 
 
 def silent_line(node: str, limit_s: float) -> str:
@@ -166,8 +189,8 @@ def hang_error(facts: Mapping[str, Any]) -> str:
         return f"hung: the agent on {facts.get('node')} printed nothing for {float(facts['silent_s']):.0f} s"
     age, where = f"{float(facts.get('age_s') or 0):.0f} s", facts.get("stacks") or "hangs/"
     return (
-        f"hung: no progress for {age} on {facts.get('node')} rank {facts.get('rank')} {_since(facts.get('step'))}; "
-        f"stacks in {where}"
+        f"hung: no progress for {age} on {facts.get('node')} rank {facts.get('rank')} {_since(facts.get('step'))}"
+        f"{_phase(facts.get('phase') == 'startup')}; stacks in {where}"
     )
 
 
@@ -180,7 +203,10 @@ def hang_report(run_url: str, node: str, ev: Mapping[str, Any]) -> tuple[str, di
     where = f"{run_url.rstrip('/')}/{rel}" if run_url and rel in files else f"the agent's hangs/ on {node}"
     facts = {"node": node, "rank": ev.get("rank"), "step": ev.get("step"), "age_s": ev.get("age_s"),
              "timeout_s": ev.get("timeout_s"), "state": ev.get("state"), "stacks": where}  # fmt: skip
-    return hang_line(node, ev.get("rank"), ev.get("age_s"), ev.get("step"), where), facts, files
+    startup = ev.get("phase") == "startup"
+    if startup:
+        facts["phase"] = "startup"
+    return hang_line(node, ev.get("rank"), ev.get("age_s"), ev.get("step"), where, startup=startup), facts, files
 
 
 # --- watching a node's ranks -----------------------------------------------------------------------------
@@ -210,6 +236,11 @@ class Hang:
     age_s: float
     timeout_s: float
     others: list[Rank]  # every rank of this node that is past its timeout too, the stuck one first
+    startup: bool = False  # the stuck rank was still starting (its first MIN_STEPS steps): a start-up hang
+
+    def facts(self) -> dict[str, Any]:
+        """What a hang event says of the phase: {"phase": "startup"} for a start-up hang, else nothing."""
+        return {"phase": "startup"} if self.startup else {}
 
 
 def _stat(pid: int) -> tuple[int, str, int] | None:
@@ -245,9 +276,17 @@ class Watcher:
     its environment; its children, data loader workers, count towards its CPU time). `poll()` once a second;
     it returns a Hang when a rank made no progress for its timeout."""
 
-    def __init__(self, directory: str, explicit_timeout: float | None = None, *, settle_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        directory: str,
+        explicit_timeout: float | None = None,
+        *,
+        settle_s: float = 5.0,
+        startup_s: float | None = STARTUP_TIMEOUT_S,
+    ) -> None:
         self.dir = directory
         self.explicit = explicit_timeout or None
+        self.startup = startup_s or None  # the start-up bound (None or 0: none of its own)
         self.settle_s = settle_s  # no stopped (T) rank: wait this much more, so the node with one acts first
         self.ranks: dict[str, Rank] = {}
 
@@ -292,7 +331,7 @@ class Watcher:
         rk.cpu = cpu
 
     def timeout(self, rk: Rank) -> float:
-        return hang_timeout(rk.intervals, self.explicit, rk.steps_seen)
+        return hang_timeout(rk.intervals, self.explicit, rk.steps_seen, self.startup)
 
     def _judge(self, now: float) -> Hang | None:
         late = [rk for rk in self.ranks.values() if now - rk.progress_at > self.timeout(rk)]
@@ -303,7 +342,7 @@ class Watcher:
         age = now - stuck.progress_at
         if stuck.state != "T" and age <= self.timeout(stuck) + self.settle_s:
             return None
-        return Hang(stuck, age, self.timeout(stuck), late)
+        return Hang(stuck, age, self.timeout(stuck), late, starting(stuck.intervals, stuck.steps_seen))
 
     def medians(self) -> dict[str, float]:
         return {r: m for r, rk in self.ranks.items() if (m := rk.median()) is not None}

@@ -94,6 +94,10 @@ STRAGGLERS_COMMENT = "dtrain:stragglers:"  # the stragglers now: "<node>/<rank>/
 HANG_EVENT, STRAGGLER_EVENT = "hang", "straggler"  # the run's events.jsonl rows (as dtrain.control.remote's)
 HANG_KILL_S = 10.0  # after a hang, the nodes' steps get SIGTERM, and SIGKILL this much later if still running
 SILENT_FLOOR_S = 30.0  # an agent silent this long (or its hang timeout, if longer) is taken for hung (= remote's)
+# Some node's step ended 0 and every other node's agent says its ranks have all ended, yet their steps go on (a
+# torchrun waiting in its exit barrier for a peer that will never come, one frozen say): after this long those
+# steps are ended, and count as 0 (torchrun's exit barrier follows only a success).
+NODES_ENDED_WAIT_S = 30.0
 STACK_MAX_CHARS = 200_000  # a rank's stacks as forwarded to the batch step (faulthandler's are a few KB)
 TIME_LIMIT_EVENT = "time-limit"  # the run's events.jsonl row of a continuation
 TIME_LIMIT_MARK = "time-limit.stop"  # in the job's directory on the batch node while it stops for its time limit
@@ -375,7 +379,23 @@ def batch(jobfile: str) -> int:
     lost: list[str] = []
     stopping = False
     watch = Hangs(job)
+    ended_early: list[str] = []  # nodes whose steps were ended after their ranks had (NODES_ENDED_WAIT_S)
+    ranks_done_at: float | None = None
     while (line := _next(lines)) is not None:
+        rest = [n for n in nodes if n not in codes]
+        if rest and not ended_early and all(watch.ranks_ended(n) for n in rest):
+            ranks_done_at = ranks_done_at or time.monotonic()  # every node still running: its ranks have ended
+            if (codes and all(c == 0 for c in codes.values()) and time.monotonic() - ranks_done_at >= NODES_ENDED_WAIT_S
+                    and not job.get("image") and watch.hang is None and not stopping and not lost
+                    and not signalled.is_set()):  # fmt: skip
+                ended_early = rest
+                note(
+                    f"dtrain: the ranks on {', '.join(rest)} ended {NODES_ENDED_WAIT_S:.0f} s ago and the other "
+                    "nodes' steps ended 0, but their steps go on: ending them; the job ends as its ranks did"
+                )
+                _kill_steps(job)
+        else:
+            ranks_done_at = None
         if watch.kill_at < time.monotonic() and proc.poll() is None:
             watch.kill_at = float("inf")
             _kill_steps(job)
@@ -412,6 +432,8 @@ def batch(jobfile: str) -> int:
             proc.kill()  # srun would wait for the lost node's task until Slurm's KillWait runs out
             break
     proc.wait()
+    for n in ended_early:
+        codes.setdefault(n, 0)  # its ranks succeeded: torchrun waits in its exit barrier only after a success
     code = job_code(codes) if not lost and len(codes) >= len(nodes) else EXIT_FAILURE
     if watch.hang is not None and not lost:
         code = EXIT_HUNG  # whatever the other nodes' steps made of their stop
@@ -470,6 +492,12 @@ class Hangs:
         self.kill_at = float("inf")
         self.stragglers = StragglerSet()  # from the agents' "alive" lines
         self.alive: dict[str, tuple[float, float]] = {}  # node -> (its agent's last "alive", its hang timeout)
+        self.ranks: dict[str, int] = {}  # node -> its ranks that ran at its agent's last "alive"
+        self.had_ranks: set[str] = set()  # nodes whose agents have reported ranks running
+
+    def ranks_ended(self, node: str) -> bool:
+        """The node's agent has reported ranks running, and now none."""
+        return node in self.had_ranks and self.ranks.get(node) == 0
 
     def check_silent(self, ended: set[str]) -> None:
         """An agent that said "alive" once and then nothing for its hang timeout (at least SILENT_FLOOR_S) while
@@ -510,6 +538,11 @@ class Hangs:
         elif ev.get("event") == "alive":
             with contextlib.suppress(TypeError, ValueError):
                 self.alive[node] = (time.monotonic(), float(ev.get("timeout_s") or 0))
+            with contextlib.suppress(TypeError, ValueError):
+                if ev.get("ranks") is not None:  # an agent from before it was reported says nothing of its ranks
+                    self.ranks[node] = int(ev["ranks"])
+                    if self.ranks[node] > 0:
+                        self.had_ranks.add(node)
             self.on_alive(node, ev)
 
     def on_hang(self, node: str, ev: dict[str, Any]) -> None:

@@ -69,7 +69,7 @@ class Context:
 
     def stop_requested(self, step: int) -> bool:
         """True on every rank, at the same step, once any rank got SIGTERM. Call after every step;
-        the ranks agree on it every few steps (PreemptionPoll). Also this rank's heartbeat (hang detection)."""
+        the ranks agree on it about once a second (PreemptionPoll). Also this rank's heartbeat (hang detection)."""
         beat(step)
         return self.poll(step)
 
@@ -120,6 +120,7 @@ def _run(workload: str, cls: type, train: Callable[[Context], dict[str, Any]], a
             try:
                 with ctx.preempt:
                     result = train(ctx)
+                ctx.poll.close()
                 ctx.ckpt.close()
             finally:
                 ctx.report.close()

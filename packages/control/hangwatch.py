@@ -4,7 +4,7 @@ agent's own pieces, dtrain.common.nodeagent.HangWatch (the ranks' progress folde
 to the job through its environment; progress.Watcher; the stack dump), and does what the cluster launcher
 does with an agent's report (the line, the run's hangs/ and events.jsonl, stragglers).
 
-    watch = LocalHangWatch.start(timeout_s, env, run, events, restarts=n)   # None: detection off
+    watch = LocalHangWatch.start(timeout_s, env, run, events, restarts=n, startup_s=s)   # None: detection off
     while the job runs:  action = watch.check(root_pid)                   # None, RESTART or STOP
     watch.error                                                           # status.json's error after a hang
 
@@ -35,10 +35,18 @@ class Action(enum.Enum):
 
 
 class LocalHangWatch:
-    def __init__(self, timeout_s: float | None, env: dict[str, str], run: Store, events: Events, restarts: int) -> None:
+    def __init__(
+        self,
+        timeout_s: float | None,
+        env: dict[str, str],
+        run: Store,
+        events: Events,
+        restarts: int,
+        startup_s: float | None = None,
+    ) -> None:
         from dtrain.common.nodeagent import HangWatch
 
-        self.agent = HangWatch({"hang": {"timeout_s": timeout_s}}, env)
+        self.agent = HangWatch({"hang": {"timeout_s": timeout_s, "startup_s": startup_s}}, env)
         # One machine: no other node to let speak first, so a rank that is not stopped is judged as soon as
         # its timeout has passed.
         self.agent.watcher.settle_s = 0.0
@@ -52,12 +60,20 @@ class LocalHangWatch:
 
     @classmethod
     def start(
-        cls, timeout_s: float | None, env: dict[str, str], run: Store, events: Events, *, restarts: int
+        cls,
+        timeout_s: float | None,
+        env: dict[str, str],
+        run: Store,
+        events: Events,
+        *,
+        restarts: int,
+        startup_s: float | None = None,
     ) -> LocalHangWatch | None:
-        """The watch, its variables put into `env` (the job's); None when `timeout_s` is 0 (detection off)."""
+        """The watch, its variables put into `env` (the job's); None when `timeout_s` is 0 (detection off).
+        `startup_s`: the start-up bound (None: progress.STARTUP_TIMEOUT_S, 0: none of its own)."""
         if timeout_s == 0:
             return None
-        return cls(timeout_s, env, run, events, restarts)
+        return cls(timeout_s, env, run, events, restarts, startup_s)
 
     def check(self, root: int) -> Action | None:
         """Look at the job's ranks (at most every nodeagent.WATCH_EVERY_S); what the caller must do now."""
@@ -83,9 +99,9 @@ class LocalHangWatch:
 
         rk = hang.rank
         where = self._save_stacks(hang)
-        line = hang_line(self.host, rk.rank, hang.age_s, rk.step, where)
+        line = hang_line(self.host, rk.rank, hang.age_s, rk.step, where, startup=hang.startup)
         facts = {"node": self.host, "rank": rk.rank, "age_s": round(hang.age_s, 1),
-                 "timeout_s": round(hang.timeout_s, 1), "state": rk.state, "stacks": where}  # fmt: skip
+                 "timeout_s": round(hang.timeout_s, 1), "state": rk.state, "stacks": where, **hang.facts()}  # fmt: skip
         self.error = hang_error({**facts, "step": rk.step})
         self.events.emit("hang", line, step=rk.step, **facts)
         record_event(self.run, rk.step, "hang", line, **facts)

@@ -20,6 +20,7 @@ SETTING_OPTIONS = {
     "run_id": "run.run_id",
     "max_restarts": "run.max_restarts",
     "hang_timeout": "run.hang_timeout",
+    "startup_timeout": "run.startup_timeout",
 }
 LAUNCH_OPTIONS = ("image", "accept_new_host_keys", "oversubscribe")
 

@@ -121,6 +121,7 @@ def builtin_plan(req: LaunchRequest, r: Resolved) -> Any:
         nproc=r.settings.launch.nproc,
         max_restarts=r.settings.launch.max_restarts,
         hang_timeout=r.settings.launch.hang_timeout_s,
+        startup_timeout=r.settings.launch.startup_timeout,
         image=req.image,
         accept_new_host_keys=req.accept_new_host_keys,
         oversubscribe=req.oversubscribe,

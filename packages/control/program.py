@@ -178,14 +178,17 @@ def _nonneg_int(flag: str) -> Any:
     return conv
 
 
-def _hang_timeout(v: str) -> float:
-    try:
-        s = float(v)
-    except ValueError:
-        raise UserError(f"--hang-timeout must be a number of seconds (0: off), got {v!r}") from None
-    if s < 0 or s != s or s == float("inf"):
-        raise UserError(f"--hang-timeout must be >= 0 seconds (0: off), got {v!r}")
-    return s
+def _seconds(flag: str, zero: str):
+    def conv(v: str) -> float:
+        try:
+            s = float(v)
+        except ValueError:
+            raise UserError(f"{flag} must be a number of seconds ({zero}), got {v!r}") from None
+        if s < 0 or s != s or s == float("inf"):
+            raise UserError(f"{flag} must be >= 0 seconds ({zero}), got {v!r}")
+        return s
+
+    return conv
 
 
 def _slurm_time(v: str) -> str:
@@ -234,8 +237,16 @@ OPTIONS = [
         "--hang-timeout",
         "hang_timeout",
         True,
-        convert=_hang_timeout,
+        convert=_seconds("--hang-timeout", "0: off"),
         help="seconds without progress before a hung job is stopped (0: off; default: from the step time)",
+        metavar="SECONDS",
+    ),
+    Option(
+        "--startup-timeout",
+        "startup_timeout",
+        True,
+        convert=_seconds("--startup-timeout", "0: no bound of its own"),
+        help="seconds without progress before a rank still starting is hung (0: none of its own; default: 300)",
         metavar="SECONDS",
     ),
     Option(

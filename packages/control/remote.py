@@ -398,9 +398,10 @@ def job_spec(
     return {"argv": None, **common, "container": container}
 
 
-def hang_spec(timeout: float | None) -> dict[str, Any]:
-    """The agent's hang detection (dtrain.common.progress): its timeout (None: from the step time, 0: off)."""
-    return {"timeout_s": timeout}
+def hang_spec(timeout: float | None, startup: float | None = None) -> dict[str, Any]:
+    """The agent's hang detection (dtrain.common.progress): its timeout (None: from the step time, 0: off), and
+    the start-up bound (None: progress.STARTUP_TIMEOUT_S, 0: none of its own)."""
+    return {"timeout_s": timeout} if startup is None else {"timeout_s": timeout, "startup_s": startup}
 
 
 def container_name(run_id: str, node: Node) -> str:

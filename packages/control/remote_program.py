@@ -364,7 +364,7 @@ def program_spec(
         "files": files,
         "signal_group": not torchrun,
         "path_prepend": path_prepend,
-        "hang": hang_spec(getattr(req, "hang_timeout", None)),
+        "hang": hang_spec(getattr(req, "hang_timeout", None), getattr(req, "startup_timeout", None)),
     }
     if not cluster.image:
         return spec

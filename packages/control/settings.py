@@ -41,6 +41,7 @@ from dtrain.common.config import PLACEMENT_KEYS, RunConfig, build, coerce, field
 from dtrain.common.env import NON_SETTING_ENV
 from dtrain.common.errors import UserError
 from dtrain.common.jobenv import ALL as JOB_ENV
+from dtrain.common.progress import STARTUP_TIMEOUT_S
 from dtrain.control import backends
 
 if TYPE_CHECKING:
@@ -165,11 +166,20 @@ class LaunchConfig:
     hang_timeout: float = opt(
         -1.0, "seconds without progress before a hung job is stopped (-1: from its step time, 0: off; docs/hangs.md)"
     )
+    startup_timeout: float = opt(
+        STARTUP_TIMEOUT_S,
+        "seconds without progress before a rank that is still starting (rendezvous, init, its first steps) is hung "
+        "(0: no bound of its own; docs/hangs.md)",
+    )
 
     def __post_init__(self) -> None:
         for name in ("nproc", "max_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.startup_timeout < float("inf"):
+            raise ValueError(
+                f"startup_timeout: must be >= 0 seconds (0: no bound of its own), got {self.startup_timeout}"
+            )
         if self.hang_timeout < 0 and self.hang_timeout != -1:
             raise ValueError(f"hang_timeout: must be >= 0 (0: off) or -1 (automatic), got {self.hang_timeout}")
 

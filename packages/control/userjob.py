@@ -242,6 +242,7 @@ def program_plan(req: ProgramRequest) -> Any:
         nproc=settings.launch.nproc,
         max_restarts=settings.launch.max_restarts,
         hang_timeout=settings.launch.hang_timeout_s,
+        startup_timeout=settings.launch.startup_timeout,
         image=req.image,
         accept_new_host_keys=req.accept_new_host_keys,
         oversubscribe=req.oversubscribe,
@@ -369,7 +370,7 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
 
     # Hang detection (docs/hangs.md), by this launcher: torchrun's restarts bring hung ranks back; a command's
     # own launcher is not dtrain's to restart.
-    watch = LocalHangWatch.start(plan.hang_timeout, env, t.run, events,
+    watch = LocalHangWatch.start(plan.hang_timeout, env, t.run, events, startup_s=plan.startup_timeout,
                                  restarts=max_restarts if job.program.under_torchrun else 0)  # fmt: skip
     code = int(ExitCode.FAILURE)
     try:

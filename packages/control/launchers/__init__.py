@@ -50,6 +50,7 @@ class Plan:
     nproc: int = 0  # processes per node for torchrun (0: one per GPU, or 2 on CPU)
     max_restarts: int = 0
     hang_timeout: float | None = None  # the node agents' hang timeout: None from the step time, 0 off (docs/hangs.md)
+    startup_timeout: float | None = None  # the start-up bound: None progress.STARTUP_TIMEOUT_S, 0 none (docs/hangs.md)
     image: str = ""  # container mode: run in this image on every node
     accept_new_host_keys: bool = False
     oversubscribe: bool = False
