@@ -26,14 +26,14 @@ cd "$(dirname "$0")/.."
 start=$(date +%s)
 deadline_s="${DTRAIN_TEST_DEADLINE_S:-4800}"
 grace_s="${DTRAIN_TEST_DEADLINE_GRACE_S:-360}"
-export DTRAIN_TEST_DEADLINE_AT=$(( start + deadline_s ))
+export DTRAIN_INTERNAL_TEST_DEADLINE_AT=$(( start + deadline_s ))
 bash scripts/setup.sh --dev
 export DTRAIN_STRICT_SKIPS="${DTRAIN_STRICT_SKIPS:-1}"
-if [ $# -eq 0 ]; then export DTRAIN_FULL_SUITE=1; else unset DTRAIN_FULL_SUITE; fi
+if [ $# -eq 0 ]; then export DTRAIN_INTERNAL_FULL_SUITE=1; else unset DTRAIN_INTERNAL_FULL_SUITE; fi
 log=$(mktemp "${TMPDIR:-/tmp}/dtrain-test-durations.XXXXXX")
 trap 'rm -f "$log"' EXIT
-export DTRAIN_TEST_DURATIONS_LOG="$log"
-left=$(( DTRAIN_TEST_DEADLINE_AT - $(date +%s) ))
+export DTRAIN_INTERNAL_TEST_DURATIONS_LOG="$log"
+left=$(( DTRAIN_INTERNAL_TEST_DEADLINE_AT - $(date +%s) ))
 if [ "$left" -le 0 ]; then
   echo "test.sh: DTRAIN_TEST_DEADLINE_S ($deadline_s s) reached during the set-up: no test ran" >&2
   exit 1

@@ -90,15 +90,15 @@ def gcs_bucket(gcs_emulator: str, monkeypatch: pytest.MonkeyPatch) -> str:
 # ---------------------------------------------------------------------------------------------
 # CI's one run. scripts/test.sh runs pytest once over everything: one collection, and a test bed with session
 # scope (tests/cluster, tests/slurm) is built once. The default tests run first, so a developer sees their
-# failures early; the slow ones after. With DTRAIN_TEST_DEADLINE_AT (epoch seconds; test.sh sets it from
+# failures early; the slow ones after. With DTRAIN_INTERNAL_TEST_DEADLINE_AT (epoch seconds; test.sh sets it from
 # DTRAIN_TEST_DEADLINE_S) the run stops between tests once that time has come, fails, and prints the slowest
-# tests so far; with DTRAIN_TEST_DURATIONS_LOG each test's seconds are appended there as it ends (test.sh reads
-# it if pytest itself must be stopped). With DTRAIN_FULL_SUITE=1 (test.sh without arguments) the run must hold
+# tests so far; with DTRAIN_INTERNAL_TEST_DURATIONS_LOG each test's seconds are appended there as it ends (test.sh reads
+# it if pytest itself must be stopped). With DTRAIN_INTERNAL_FULL_SUITE=1 (test.sh without arguments) the run must hold
 # default and slow tests both: a part that vanished (a bad marker) is pytest's "no tests collected", exit 5.
 
-DEADLINE_AT = "DTRAIN_TEST_DEADLINE_AT"
-DURATIONS_LOG = "DTRAIN_TEST_DURATIONS_LOG"
-FULL_SUITE = "DTRAIN_FULL_SUITE"
+DEADLINE_AT = "DTRAIN_INTERNAL_TEST_DEADLINE_AT"
+DURATIONS_LOG = "DTRAIN_INTERNAL_TEST_DURATIONS_LOG"
+FULL_SUITE = "DTRAIN_INTERNAL_FULL_SUITE"
 SLOWEST_SHOWN = 15
 
 
@@ -177,7 +177,7 @@ class _CiRun:
 # tests/gpu_check.py's exact GPU reason when it is marked `gpu`. Skips at collection time count too: a
 # module-level importorskip or a conftest.py that skips hides every test below it. On a machine with a GPU, a
 # GPU skip fails: the GPU tests must run there. An xfail (marker or imperative) or an xpass fails too: a known
-# failure is a failure. And in the whole suite (DTRAIN_FULL_SUITE=1) nothing may be left out: a deselected test
+# failure is a failure. And in the whole suite (DTRAIN_INTERNAL_FULL_SUITE=1) nothing may be left out: a deselected test
 # (-k, -m or --deselect, from PYTEST_ADDOPTS or the ini file), an --ignore, a conftest's collect_ignore.
 
 
