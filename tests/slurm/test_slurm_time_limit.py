@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import Env
+from .conftest import BATCH, EPOCHS, TOTAL_STEPS, Env
 from .test_slurm_bed import job_processes
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 # 2 minutes (Slurm's shortest limit that still leaves room to train: a 1-minute job may be warned at its start)
 # that end 15 to 75 s early (the warning). WORK_S is about what the first allocation can train at most (105 s
 # less the start), so the job continues at least once, and little enough that the test stays inside its 300 s.
-WORK_S = 100.0
+WORK_S = 110.0
 COMMON = ["--nodes", "1", "--eval-split", "test[:2000]", "--checkpoint-every", "20"]
 
 
@@ -46,13 +46,19 @@ def batch_output(bed: Env, job: str, run: Path) -> str:
     return "".join(f.read_text() for f in files if f.exists())
 
 
+CALIBRATION_STEPS = 40  # two metrics rows (the run's log_every is 20): the second one's speed is warm
+
+
 def epochs_for(bed: Env, seconds: float) -> tuple[int, float]:
-    """(epochs of 62 steps that take about `seconds` of training here now, the seconds one epoch took)."""
-    job = bed.submit(*COMMON, "--epochs", "1")
+    """(epochs of 62 steps that take about `seconds` of training here now, the seconds one epoch takes): from the
+    training speed of a 40-step run (its second metrics row's samples/s, past the first steps' warm-up), so that
+    the measurement costs a start and 40 steps, not a whole epoch (103 s on a loaded machine). One epoch at least:
+    a job of one resumes mid-epoch."""
+    job = bed.submit(*COMMON, "--epochs", "1", "--train-split", f"train[:{CALIBRATION_STEPS * BATCH}]")
     row = bed.wait(job, lambda j: j["state"] == "COMPLETED", what="COMPLETED")
-    events = rows(Path(row["url"]) / "events.jsonl")
-    took = next(e for e in events if e["event"] == "completed")["time"] - events[0]["time"]
-    return max(2, min(60, math.ceil(seconds / took))), took
+    speed = [m["samples_per_s"] for m in rows(Path(row["url"]) / "metrics.jsonl") if "samples_per_s" in m][-1]
+    epoch_s = TOTAL_STEPS / EPOCHS * BATCH / speed
+    return max(1, min(60, math.ceil(seconds / epoch_s))), epoch_s
 
 
 def test_a_job_that_outlives_its_time_limit_continues_until_it_completes(bed: Env) -> None:
@@ -61,7 +67,9 @@ def test_a_job_that_outlives_its_time_limit_continues_until_it_completes(bed: En
     steps = epochs * 62
     t0 = time.monotonic()
     # What the job did when, printed if it fails (pytest shows a failed test's output): where the time went.
-    print(f"calibration: one epoch {epoch_s:.0f} s, {t0 - start:.0f} s from submit to completed: {epochs} epochs")
+    print(
+        f"calibration: one epoch {epoch_s:.0f} s of steps, {t0 - start:.0f} s from submit to completed: {epochs} epochs"
+    )
     job = bed.submit("--time", "2", *COMMON, "--epochs", str(epochs))
     seen: set[str] = set()
     table = ""
