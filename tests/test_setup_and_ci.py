@@ -1,6 +1,7 @@
 """The README's two commands and what CI counts: the first command sets up training and nothing else;
-the test command sets up everything the tests need and runs every test, the slow ones included; and a
-test that skips for anything but a missing GPU or an absent ../shared fails the run."""
+the test command sets up everything the tests need and runs every test, the slow ones included, in one
+session with a deadline; and a test that does not run (a skip for anything but a missing GPU or an absent
+../shared, an xfail, a test left out) fails the run."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import textwrap
 import zipfile
 from pathlib import Path
 
-from gpu_check import machine_has_gpu
+from gpu_check import GPU_SKIP_REASON, machine_has_gpu
+from shared_data import SHARED_SKIP_REASON
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,36 +54,51 @@ def test_the_test_command_sets_up_the_rest_and_runs_every_test():
     assert "dev" in dev["pip"] and dev.get("tools") == "checkov (.venv-tools)"
     script = (REPO / "scripts" / "test.sh").read_text()
     assert "bash scripts/setup.sh --dev" in script
-    # both suites run unconditionally (no time budget that drops the slow tests)
-    runs = re.findall(r"^\.venv/bin/python -m pytest (.*)$", script, re.M)
-    assert [r.split(" ")[:2] for r in runs] == [["-m", '"not'], ["-m", "slow"]], runs
+    # one pytest session over everything (no -m: no time budget that drops the slow tests), with durations
+    runs = re.findall(r"^\s*\.venv/bin/python -m pytest (.*)$", script, re.M)
+    assert runs == ['--durations=50 "$@" || rc=$?'], runs
     assert "BUDGET" not in script
 
 
 STRICT_PROBE = textwrap.dedent(
     """
     import pytest
+    from gpu_check import GPU_SKIP_REASON
+    from shared_data import SHARED_SKIP_REASON
 
     def test_runs():
         assert 1 + 1 == 2
 
+    @pytest.mark.gpu
     def test_needs_a_gpu():
-        pytest.skip("needs a CUDA GPU")
+        pytest.skip(GPU_SKIP_REASON)
 
     def test_needs_shared():
-        pytest.skip("needs ../shared/data/mnist")
+        pytest.skip(SHARED_SKIP_REASON)
 
     def test_hidden():
         pytest.skip({reason!r})
     """
 )
+CI_ENV = ("DTRAIN_STRICT_SKIPS", "DTRAIN_INTERNAL_FULL_SUITE", "DTRAIN_INTERNAL_TEST_DEADLINE_AT",
+          "DTRAIN_TEST_DEADLINE_S", "DTRAIN_INTERNAL_TEST_DURATIONS_LOG", "DTRAIN_TEST_DEADLINE_GRACE_S",
+          "PYTEST_ADDOPTS")  # fmt: skip
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This process's environment without the settings of the CI run it may be part of (scripts/test.sh's)."""
+    return {**{k: v for k, v in os.environ.items() if k not in CI_ENV}, **extra}
+
+
+def _copy_plugins(root: Path) -> None:
+    for name in ("conftest.py", "gpu_check.py", "shared_data.py"):
+        (root / name).write_text((REPO / "tests" / name).read_text())
 
 
 def _probe(tmp_path: Path, reason: str, strict: str, path: str | None = None) -> subprocess.CompletedProcess:
-    (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
-    (tmp_path / "gpu_check.py").write_text((REPO / "tests" / "gpu_check.py").read_text())
+    _copy_plugins(tmp_path)
     (tmp_path / "test_probe.py").write_text(STRICT_PROBE.format(reason=reason))
-    env = {**os.environ, "DTRAIN_STRICT_SKIPS": strict, "PATH": path or os.environ["PATH"]}
+    env = _env(DTRAIN_STRICT_SKIPS=strict, PATH=path or os.environ["PATH"])
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_probe.py"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
@@ -100,8 +117,55 @@ def test_a_skip_that_hides_a_test_fails_the_run(tmp_path):
 
 def test_allowed_skips_pass_the_strict_run_on_a_machine_without_a_gpu(tmp_path):
     # the canonical GPU reason passes only where there is no GPU; on a GPU machine the GPU tests must run
-    r = _probe(tmp_path, "needs ../shared/data/imagenet", "1")
+    r = _probe(tmp_path, SHARED_SKIP_REASON, "1")
     assert r.returncode == (1 if machine_has_gpu() else 0), r.stdout
+
+
+def test_a_reason_that_only_mentions_shared_fails_the_strict_run(tmp_path):
+    r = _probe(tmp_path, "needs root; the data in ../shared/data/mnist is there", "1")
+    assert r.returncode == 1, r.stdout
+    assert "test_probe.py::test_hidden: needs root; the data in ../shared/data/mnist is there" in r.stdout
+
+
+def test_a_reason_that_starts_with_the_gpu_text_fails_the_strict_run(tmp_path):
+    r = _probe(tmp_path, f"{GPU_SKIP_REASON}, and root", "1")
+    assert r.returncode == 1, r.stdout
+    assert f"test_probe.py::test_hidden: {GPU_SKIP_REASON}, and root" in r.stdout
+
+
+def test_the_gpu_reason_without_the_gpu_marker_fails_the_strict_run(tmp_path):
+    r = _probe(tmp_path, GPU_SKIP_REASON, "1")  # test_hidden: the exact reason, but no `gpu` marker
+    assert r.returncode == 1, r.stdout
+    assert f"test_probe.py::test_hidden: {GPU_SKIP_REASON}" in r.stdout
+    assert "test_probe.py::test_needs_a_gpu" not in r.stdout.split("DTRAIN_STRICT_SKIPS")[-1] or machine_has_gpu()
+
+
+XFAILS = """
+    import pytest
+
+    def test_runs():
+        assert 1 + 1 == 2
+
+    def test_known_broken():
+        pytest.xfail("known to fail")
+
+    @pytest.mark.xfail(reason="flaky")
+    def test_marked():
+        assert False
+
+    @pytest.mark.xfail(reason="fixed since")
+    def test_passes_anyway():
+        assert True
+"""
+
+
+def test_an_xfail_or_an_xpass_fails_the_strict_run(tmp_path):
+    strict = _collect_probe(tmp_path, {"test_x.py": XFAILS}, "1")
+    assert strict.returncode == 1, strict.stdout
+    tail = strict.stdout.split("DTRAIN_STRICT_SKIPS")[-1]
+    assert "test_x.py::test_known_broken: xfail: known to fail" in tail, tail
+    assert "test_x.py::test_marked: xfail: flaky" in tail and "test_x.py::test_passes_anyway: xpassed" in tail, tail
+    assert _collect_probe(tmp_path, {"test_x.py": XFAILS}, "0").returncode == 0
 
 
 def test_a_reason_that_only_mentions_a_gpu_fails_the_strict_run(tmp_path):
@@ -123,14 +187,13 @@ def test_a_gpu_skip_fails_the_strict_run_where_nvidia_smi_lists_a_gpu(tmp_path):
 
 
 def _collect_probe(tmp_path: Path, files: dict[str, str], strict: str) -> subprocess.CompletedProcess:
-    (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
-    (tmp_path / "gpu_check.py").write_text((REPO / "tests" / "gpu_check.py").read_text())
+    _copy_plugins(tmp_path)
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(textwrap.dedent(text))
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "."],
-        cwd=tmp_path, env={**os.environ, "DTRAIN_STRICT_SKIPS": strict}, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env=_env(DTRAIN_STRICT_SKIPS=strict), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 
 
@@ -161,7 +224,7 @@ def test_a_conftest_that_skips_and_a_module_level_skip_fail_the_strict_run(tmp_p
     assert "gcp: needs the gcp extra" in strict.stdout and "test_module_skip.py: needs root" in strict.stdout
 
 
-def _test_sh(tmp_path: Path, files: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+def _test_sh(tmp_path: Path, files: dict[str, str], *args: str, **env: str) -> subprocess.CompletedProcess:
     """The real scripts/test.sh in a copy of the repository's layout, around a small test directory;
     setup (scripts/setup.sh) is replaced by a no-op: it is not what this checks."""
     tmp_path = tmp_path / f"repo{len(list(tmp_path.iterdir()))}"
@@ -173,24 +236,110 @@ def _test_sh(tmp_path: Path, files: dict[str, str], *args: str) -> subprocess.Co
     (tmp_path / ".venv" / "bin" / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     (tmp_path / ".venv" / "bin" / "python").chmod(0o755)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: a slow test\naddopts = -p no:cacheprovider\n")
-    (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
-    (tmp_path / "gpu_check.py").write_text((REPO / "tests" / "gpu_check.py").read_text())
+    _copy_plugins(tmp_path)
     for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(textwrap.dedent(text))
-    env = {k: v for k, v in os.environ.items() if k != "DTRAIN_STRICT_SKIPS"}
-    return subprocess.run(["bash", "scripts/test.sh", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    return subprocess.run(["bash", "scripts/test.sh", *args], cwd=tmp_path, env=_env(**env), capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
 
 
 SLOW = "import pytest\n\n@pytest.mark.slow\ndef test_slow():\n    assert 2 * 2 == 4\n"
 
 
-def test_test_sh_fails_when_a_run_collects_nothing(tmp_path):
+def test_test_sh_fails_when_a_part_collects_nothing(tmp_path):
     both = _test_sh(tmp_path, {"test_fast.py": PASSING, "test_slow.py": SLOW})
     assert both.returncode == 0, both.stdout + both.stderr
     no_slow = _test_sh(tmp_path, {"test_fast.py": PASSING})
     assert no_slow.returncode == 5, no_slow.stdout + no_slow.stderr
-    assert "the slow run collected no test (pytest exit 5): a failure" in no_slow.stderr
+    assert "the whole suite collected no slow test" in no_slow.stdout
+    no_default = _test_sh(tmp_path, {"test_slow.py": SLOW})
+    assert no_default.returncode == 5 and "the whole suite collected no default test" in no_default.stdout
+
+
+# A session fixture (a test bed) that counts its builds, a slow test first in the file, a default test after it.
+ONE_SESSION = {
+    "test_order.py": """
+        import pytest
+        from pathlib import Path
+
+        @pytest.fixture(scope="session")
+        def bed():
+            with open(Path(__file__).parent / "builds.txt", "a") as f:
+                f.write("built\\n")
+
+        @pytest.mark.slow
+        def test_slow_one(bed):
+            print("ran: slow")
+
+        def test_default_one(bed):
+            print("ran: default")
+    """,
+}
+
+
+def test_test_sh_runs_one_session_default_tests_first_with_durations_of_both(tmp_path):
+    r = _test_sh(tmp_path, ONE_SESSION, "-s", "--durations-min=0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    (root,) = [p for p in tmp_path.iterdir() if (p / "builds.txt").exists()]
+    assert (root / "builds.txt").read_text() == "built\n"  # one session: the bed is built once
+    assert r.stdout.index("ran: default") < r.stdout.index("ran: slow"), r.stdout
+    durations = r.stdout.split("slowest 50 durations")[-1]
+    assert "test_order.py::test_slow_one" in durations and "test_order.py::test_default_one" in durations, r.stdout
+    assert "now the 1 slow tests" in r.stdout
+
+
+SLEEPY = """
+    import time
+
+    def test_one():
+        time.sleep(3)
+
+    def test_two():
+        time.sleep(3)
+
+    def test_three():
+        time.sleep(3)
+"""
+
+
+def test_test_sh_stops_at_its_deadline_fails_and_names_the_slowest_tests(tmp_path):
+    files = {"test_sleepy.py": SLEEPY, "test_slow.py": SLOW}
+    # the deadline counts from test.sh's start: it comes during test_one or test_two, never after test_three
+    r = _test_sh(tmp_path, files, DTRAIN_TEST_DEADLINE_S="4")
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "DTRAIN_TEST_DEADLINE_S reached: the run stops here" in r.stdout, r.stdout
+    slowest = r.stdout.split("the slowest tests so far:")[-1]
+    assert "test_sleepy.py::test_one" in slowest, r.stdout
+    assert int(re.search(r"here, (\d+) test\(s\) not run", r.stdout).group(1)) >= 1, r.stdout
+
+
+HANGING = "import time\n\ndef test_finished():\n    pass\n\ndef test_hangs():\n    time.sleep(60)\n"
+
+
+def test_test_sh_interrupts_a_test_that_runs_past_the_deadline(tmp_path):
+    # test_finished ends well before the deadline (5 s), test_hangs runs past it and its grace (5 s)
+    r = _test_sh(tmp_path, {"test_hang.py": HANGING, "test_slow.py": SLOW}, DTRAIN_TEST_DEADLINE_S="5",
+                 DTRAIN_TEST_DEADLINE_GRACE_S="5")  # fmt: skip
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "test.sh: a test was still running 5 s after the deadline" in r.stderr, r.stderr
+    assert "test_hang.py::test_finished" in r.stderr.split("the slowest finished tests:")[-1], r.stderr
+
+
+def test_test_sh_fails_when_the_whole_suite_leaves_a_test_out(tmp_path):
+    files = {"test_fast.py": PASSING, "test_slow.py": SLOW, "test_left.py": PASSING.replace("runs", "left_out")}
+    deselected = _test_sh(tmp_path, files, PYTEST_ADDOPTS="--deselect test_left.py::test_left_out")
+    assert deselected.returncode == 1, deselected.stdout + deselected.stderr
+    assert "test_left.py::test_left_out: deselected: left out of the whole suite" in deselected.stdout
+    ignored = _test_sh(tmp_path, files, PYTEST_ADDOPTS="--ignore=test_left.py")
+    assert ignored.returncode == 1 and "test_left.py: --ignore: left out of the whole suite" in ignored.stdout
+    for name in ("collect_ignore", "collect_ignore_glob"):
+        sub = {**files, "sub/conftest.py": f"{name} = ['test_sub.py']\n", "sub/test_sub.py": PASSING}
+        r = _test_sh(tmp_path, sub)
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert f"{name} = ['test_sub.py']: left out of the whole suite" in r.stdout, r.stdout
+    # a selection of your own (arguments to test.sh) may leave tests out
+    assert _test_sh(tmp_path, files, "--deselect", "test_left.py::test_left_out").returncode == 0
 
 
 def test_test_sh_with_a_selection_needs_one_of_the_runs_to_find_tests(tmp_path):
@@ -207,6 +356,18 @@ def test_test_sh_fails_when_a_module_skips_at_collection(tmp_path):
     r = _test_sh(tmp_path, files)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "test_extra.py: needs an extra" in r.stdout
+
+
+def test_the_cli_accepts_the_variables_ci_sets(tmp_path):
+    """The dtrain commands that tests run inherit test.sh's environment, and dtrain refuses a DTRAIN_* name that
+    is not a setting unless it is listed as none (dtrain.common.env) or is an internal one."""
+    scripts = (REPO / "scripts" / "test.sh").read_text() + (REPO / ".ci" / "run").read_text()
+    names = set(re.findall(r"\b(DTRAIN_[A-Z_]+[A-Z])\b", scripts))
+    assert {"DTRAIN_TEST_DEADLINE_S", "DTRAIN_TEST_DEADLINE_GRACE_S", "DTRAIN_STRICT_SKIPS"} <= names, names
+    env = _env(**dict.fromkeys(names, "1"))
+    p = subprocess.run([sys.executable, "-c", "from dtrain.cli.main import main; main()", "config", "show"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr
 
 
 def _setup_copy(tmp_path: Path) -> Path:

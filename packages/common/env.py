@@ -21,6 +21,8 @@ NON_SETTING_ENV = frozenset(
         "DTRAIN_CACHE_DIR",  # downloads and prepared data
         "DTRAIN_TORCH",  # scripts/setup.sh: which torch build to install
         "DTRAIN_STRICT_SKIPS",  # scripts/test.sh: 0 lets tests skip for reasons CI does not accept
+        "DTRAIN_TEST_DEADLINE_S",  # scripts/test.sh: the test run's deadline
+        "DTRAIN_TEST_DEADLINE_GRACE_S",  # scripts/test.sh: how long a test may run past it
     }
 )
 

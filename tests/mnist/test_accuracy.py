@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from shared_data import SHARED_MNIST, SHARED_SKIP_REASON
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED_MNIST = REPO.parent / "shared" / "data" / "mnist"
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 CLI = [sys.executable, "-c", "from dtrain.cli.main import main; main()"]
 
@@ -32,11 +31,7 @@ def train(cwd: Path, *args: str, timeout: float = 900) -> dict:
     return json.loads((run / "status.json").read_text())["result"]
 
 
-@pytest.mark.skipif(
-    not (SHARED_MNIST / "t10k-images-idx3-ubyte.gz").exists(),
-    reason="the official MNIST test split is only on the development machines "
-    f"(../shared/data/mnist: {SHARED_MNIST}); users' clones do not have it",
-)
+@pytest.mark.skipif(not (SHARED_MNIST / "t10k-images-idx3-ubyte.gz").exists(), reason=SHARED_SKIP_REASON)
 def test_real_mnist_first_8000_train_last_2000_eval_reach_97_5(tmp_path):
     """The only real MNIST offline is the 10k test split: train on its first 8,000 images with
     the default config, evaluate on the last 2,000."""

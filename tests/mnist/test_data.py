@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import IMAGE_STEMS, LABEL_STEMS, idx_bytes, image_bytes, label_bytes, write_idx, write_split
+from shared_data import SHARED_MNIST, SHARED_SKIP_REASON
 
 from dtrain.common.errors import ExitCode, UserError
 from dtrain.mnist import data
@@ -26,7 +27,6 @@ from dtrain.mnist.data import DataError, load_split, locate, read_idx
 CPU = torch.device("cpu")
 # Real files: the MNIST test split kept beside this repository's checkout on the project's machines,
 # and Debian's dataset-fashion-mnist package.
-SHARED_MNIST = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mnist"
 DEBIAN_FASHION = Path("/usr/share/datasets/fashion-mnist")
 
 
@@ -580,8 +580,7 @@ def test_download_unreachable_mirror_reported(isolated, monkeypatch, online):
 
 @pytest.mark.skipif(
     not (SHARED_MNIST / f"{IMAGE_STEMS['test']}.gz").is_file(),
-    reason=f"needs the real MNIST test files in ../shared/data/mnist ({SHARED_MNIST}), which sit beside the "
-    "project's own checkout on its machines; users' clones do not have them",
+    reason=SHARED_SKIP_REASON,
 )
 def test_real_mnist_test_split():
     for stem in (IMAGE_STEMS["test"], LABEL_STEMS["test"]):

@@ -91,7 +91,7 @@ class Env:
         assert r.returncode == 0, r.stderr
         return {j["job_id"]: j for j in json.loads(r.stdout)}
 
-    def wait(self, job: str, predicate, timeout: float = 600, what: str = "", cluster: str = "bed") -> dict:
+    def wait(self, job: str, predicate, timeout: float = 270, what: str = "", cluster: str = "bed") -> dict:
         """Poll `dtrain jobs` until predicate(job's row) holds; the row."""
         deadline = time.monotonic() + timeout
         row: dict = {}
@@ -117,7 +117,9 @@ MNIST = ["--dataset", "fashion-mnist", "--epochs", str(EPOCHS), "--train-split",
          "--batch-size", str(BATCH), "--nproc", "1"]  # fmt: skip
 
 
-@pytest.fixture(scope="package")
+# Session scope: scripts/test.sh runs the default tests first and the slow ones after, in one session, so the
+# package's tests are not contiguous; the bed is built once and destroyed at the end of the session.
+@pytest.fixture(scope="session")
 def sbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmBed]:
     if reason := SlurmBed.available():
         pytest.skip(reason)
@@ -128,7 +130,7 @@ def sbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmBed]:
         sb.destroy()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def bed(sbed: SlurmBed, tmp_path_factory: pytest.TempPathFactory) -> Env:
     """Clusters `bed` (h0, h1; Slurm set up by dtrain) and `user` (the same Slurm through login node h2)."""
     if not (FASHION / "train-images-idx3-ubyte.gz").exists():
