@@ -1,37 +1,39 @@
-"""SFT training tokens/s and peak memory on the CPU: dtrain with masking and packing on versus off,
-and TRL's SFTTrainer on the same data, model and settings.
+"""A fair race on the CPU: dtrain's LoRA SFT against TRL's SFTTrainer, the same work on both sides.
 
-    python benchmarks/sft_throughput.py                 # default settings: a few minutes on 2 cores
-    python benchmarks/sft_throughput.py --quick         # smoke run
-    python benchmarks/sft_throughput.py --json out.json --rounds 3
+    python benchmarks/sft_throughput.py                         # 2 rounds, 16 steps: ~15 min on 2 cores
+    python benchmarks/sft_throughput.py --rounds 3 --steps 40   # the issue's length
+    python benchmarks/sft_throughput.py --quick                 # smoke run
 
-The model is tiny-llama's shape (4 layers, hidden 256, 4 heads, MLP 688, random weights) with a
-byte-level BPE tokenizer trained here on the data's words (~2,000 tokens) and a chat template with
-`{% generation %}` markers (so TRL's assistant_only_loss works; dtrain finds the assistant turns by
-incremental rendering, and renders the same text). The data is chat conversations of 1-4 turns with
-lengths drawn from a long-tailed distribution, like real SFT sets. Every pipeline trains the same
-LoRA (r 8, alpha 16, the seven Llama projections) with the same batch (8 rows of up to --seq-len),
-learning rate, fp32 and number of steps, each in a process of its own:
+Both sides get, every setting printed at the start:
+- the same model: a Llama built from a config (4 layers, hidden 256, 4 heads, MLP 688, random weights
+  from one seed) and a byte-level BPE tokenizer trained here on the data's words (~2,000 tokens), with a
+  chat template carrying `{% generation %}` markers so TRL's assistant_only_loss works;
+- the same data: --conversations chat records made from one seed (1-4 turns, long-tailed lengths), loss
+  on the assistant turns only; the script checks that dtrain's trained tokens and TRL's assistant mask
+  are the same tokens on the first --mask-check records before anything runs;
+- the same rows: padding-free packing by best-fit decreasing into rows of --seq-len tokens with
+  restarting position ids (a per-document causal mask), ONE row per forward (micro-batch 1) and
+  8 forwards accumulated per optimizer step, so the attention work is the same on both sides;
+- fp32, LoRA r 8 / alpha 16 on the seven projections, AdamW, lr 2e-4, cosine, clipping at 1.0;
+- row A: activation (gradient) checkpointing off on both; row B: on for both (non-reentrant);
+- dtrain with its fused CPU kernels (dtrain.lora.fused) and without them, as separate pipelines.
 
-- dtrain-packed-masked: `python -m dtrain.lora.train` as a run does it (defaults: packing on, loss on
-  assistant tokens only);
-- dtrain-unpacked-all: --no-packing --train-on-all: one conversation a row, padded to the longest in
-  its micro-batch, loss on every token;
-- trl-packed-masked: SFTTrainer, packing=True (best-fit decreasing, padding-free with restarting
-  position ids), assistant_only_loss=True;
-- trl-unpacked-all: SFTTrainer, packing=False (padded to the longest in the batch).
-
-Only real (non-padding) tokens count; the first --warmup-steps steps are left out of the clock.
-Peak memory is the process's peak resident set (os.wait4's ru_maxrss). TRL is installed into the
-venv for this benchmark only (pip install trl); it is not a dtrain dependency.
+Rounds run in turn, every pipeline once per round, the order reversed every other round, so
+neighbours in time share the machine's load; the summary is the median per pipeline and the
+dtrain/TRL ratio within each round. Only real (non-padding) tokens count, the first --warmup-steps
+steps are left out of the clock, and peak memory is each process's peak resident set, read the same
+way for both (os.wait4's ru_maxrss of the child). TRL's version is pinned (PINNED_TRL, dtrain's dev
+extra); the script refuses to race another.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,7 +41,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-PIPELINES = ("dtrain-packed-masked", "dtrain-unpacked-all", "trl-packed-masked", "trl-unpacked-all")
+PINNED = {"trl": "1.16.0"}  # what the race was run against; pyproject's dev extra pins the same
+ROWS = {"A": "off", "B": "on"}  # activation checkpointing, for both sides
+PIPELINES = ("dtrain-fused", "dtrain-unfused", "trl")
 WORDS = (  # noqa: SIM905 - a sentence is easier to read than a list of strings
     "the a an cat dog bird sat ran flew on under over mat log tree red blue green big small old new why how "
     "what when where is are was were can could will would should please tell me about explain list give "
@@ -53,7 +57,7 @@ TEMPLATE = (
 LLAMA = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=4096)  # fmt: skip
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LR, BATCH, SEED = 2e-4, 8, 0
+LR, ROWS_PER_STEP, SEED, MAX_GRAD_NORM = 2e-4, 8, 0, 1.0
 
 
 def sentence(rng: random.Random, n: int) -> str:
@@ -96,6 +100,44 @@ def make_setup(work: Path, conversations: int) -> tuple[Path, Path]:
     return model_dir, data
 
 
+def check_pins() -> None:
+    for name, want in PINNED.items():
+        try:
+            have = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            have = "not installed"
+        if have != want:
+            raise SystemExit(f"{name} {have}: this race is pinned to {name}=={want} (pip install '{name}=={want}')")
+
+
+def check_masks(model_dir: Path, data: Path, n: int) -> int:
+    """dtrain's trained tokens (labels != -100) equal TRL's assistant mask (the tokenizer's
+    return_assistant_tokens_mask, what assistant_only_loss uses) on the first n records; returns how
+    many tokens train in them."""
+    from transformers import AutoTokenizer
+
+    from dtrain.lora import sft
+    from dtrain.lora.model import HFTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    recs = [json.loads(ln) for ln in data.read_text().splitlines()[:n]]
+    rows = [(f"chat.jsonl:{i + 1}", r) for i, r in enumerate(recs)]
+    cfg = argparse.Namespace(format=sft.DataFormat.AUTO, messages_field="messages", prompt_field="",
+                             input_field="", completion_field="", text_field="text")  # fmt: skip
+    enc = sft.encode(HFTokenizer(tok), rows, sft.resolve_fields(rows, cfg), False, 10**6)
+    trained = 0
+    for (where, rec), ex in zip(rows, enc.examples, strict=True):
+        out = tok.apply_chat_template(
+            rec["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        theirs = [bool(m) for m in out["assistant_masks"]]
+        ours = [lab != sft.IGNORE for lab in ex.labels]
+        if out["input_ids"] != ex.ids or ours != theirs:
+            raise SystemExit(f"{where}: dtrain and TRL would train different tokens; the race would not be fair")
+        trained += sum(ours)
+    return trained
+
+
 def launch(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
     """Run `cmd`; its output and peak RSS (MiB) from os.wait4 (the child's own ru_maxrss)."""
     with tempfile.TemporaryFile("w+") as out:
@@ -109,42 +151,63 @@ def launch(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
     return usage.ru_maxrss / 1024, text
 
 
-def run_dtrain(kind: str, args: argparse.Namespace, model_dir: Path, data: Path, work: Path, env: dict) -> dict:
+def dtrain_args(args: argparse.Namespace, model_dir: Path, data: Path, out: Path, ckpt: str) -> list[str]:
+    return ["--model", str(model_dir), "--data", str(data), "--seq-len", str(args.seq_len),
+            "--batch-size", str(ROWS_PER_STEP), "--grad-accum", str(ROWS_PER_STEP), "--lr", str(LR),
+            "--lora-r", "8", "--lora-alpha", "16", "--max-grad-norm", str(MAX_GRAD_NORM),
+            "--max-steps", str(args.steps), "--log-every", "1", "--eval-batches", "1", "--checkpoint-every", "0",
+            "--precision", "fp32", "--activation-checkpointing", ckpt, "--packing", "--output", str(out)]  # fmt: skip
+
+
+def run_dtrain(
+    kind: str, ckpt: str, args: argparse.Namespace, model_dir: Path, data: Path, work: Path, env: dict
+) -> dict:
+    """dtrain's own training entry point (dtrain.lora.train.main, what `dtrain train lora` runs), in a
+    worker of this script so that its fused kernels can be left out for the unfused pipeline."""
     out = work / f"runs-{kind}-{time.time_ns()}"
-    steps = 2 * args.warmup_steps if args.steps <= args.warmup_steps else args.steps
-    extra = ["--no-packing", "--train-on-all"] if kind == "dtrain-unpacked-all" else []
-    cmd = [sys.executable, "-m", "dtrain.lora.train", "--model", str(model_dir), "--data", str(data),
-           "--seq-len", str(args.seq_len), "--batch-size", str(BATCH), "--lr", str(LR), "--lora-r", "8",
-           "--lora-alpha", "16", "--max-steps", str(steps), "--log-every", "1", "--eval-batches", "1",
-           "--checkpoint-every", "0", "--precision", "fp32", "--output", str(out), *extra]  # fmt: skip
-    rss, _ = launch(cmd, env)
+    cmd = [sys.executable, __file__, "--dtrain-worker", kind, "--", *dtrain_args(args, model_dir, data, out, ckpt)]
+    rss, text = launch(cmd, env)
     (run,) = [p for p in out.iterdir() if p.is_dir()]
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     timed = [r for r in rows if "tokens_per_s" in r and r["step"] > args.warmup_steps]
-    # log every step: each row's tokens/s covers its own step; the clock's total is the sum of times.
-    tokens = sum(r["tokens_per_s"] * r["_dt"] for r in _with_dt(rows) if r in timed)
-    seconds = sum(r["_dt"] for r in _with_dt(rows) if r in timed)
-    return {"tokens_per_s": tokens / seconds, "peak_rss_mib": rss, "steps_timed": len(timed)}
+    # Logged every step: each row's tokens/s and samples/s cover its own step (rows = samples).
+    seconds = sum(ROWS_PER_STEP / r["samples_per_s"] for r in timed)
+    tokens = sum(r["tokens_per_s"] * ROWS_PER_STEP / r["samples_per_s"] for r in timed)
+    fill = next((ln for ln in text.splitlines() if "of row slots hold tokens" in ln), "")
+    fill_pct = float(fill.split("(")[-1].split("%")[0]) if fill else float("nan")
+    fused = "fused: 0 lora linears" not in text
+    if fused != (kind == "dtrain-fused"):
+        raise SystemExit(f"{kind}: the run's log says fused kernels were {'on' if fused else 'off'}")
+    return {"tokens_per_s": tokens / seconds, "peak_rss_mib": rss, "steps_timed": len(timed), "fill_pct": fill_pct,
+            "final_loss": rows[-1].get("loss") or next(r["loss"] for r in reversed(rows) if "loss" in r)}  # fmt: skip
 
 
-def _with_dt(rows: list[dict]) -> list[dict]:
-    """Training rows with the wall time of their step, from tokens and tokens/s (the run logs both
-    per step with --log-every 1; samples_per_s gives rows, so seconds = batch / samples_per_s)."""
-    out = []
-    for r in rows:
-        if "samples_per_s" in r:
-            r["_dt"] = BATCH / r["samples_per_s"]
-            out.append(r)
-    return out
+def dtrain_worker(kind: str, argv: list[str]) -> None:
+    from dtrain.lora import train
+
+    if kind == "dtrain-unfused":
+        train.fuse_model = lambda model: {"lora_linears": 0, "rms_norms": 0, "attention": 0}
+    train.main(argv)
 
 
-def run_trl(kind: str, args: argparse.Namespace, model_dir: Path, data: Path, env: dict) -> dict:
-    cmd = [sys.executable, __file__, "--trl-worker", kind, "--model-dir", str(model_dir), "--data", str(data),
+def run_trl(ckpt: str, args: argparse.Namespace, model_dir: Path, data: Path, env: dict) -> dict:
+    cmd = [sys.executable, __file__, "--trl-worker", ckpt, "--model-dir", str(model_dir), "--data", str(data),
            "--seq-len", str(args.seq_len), "--steps", str(args.steps),
            "--warmup-steps", str(args.warmup_steps)]  # fmt: skip
     rss, text = launch(cmd, env)
     result = json.loads(text.strip().splitlines()[-1])
     return {**result, "peak_rss_mib": rss}
+
+
+def trl_settings(args: argparse.Namespace, ckpt: str) -> dict[str, Any]:
+    return dict(
+        max_steps=args.steps, per_device_train_batch_size=1, gradient_accumulation_steps=ROWS_PER_STEP,
+        learning_rate=LR, lr_scheduler_type="cosine", warmup_steps=0, max_grad_norm=MAX_GRAD_NORM,
+        max_length=args.seq_len, packing=True, packing_strategy="bfd", padding_free=True, assistant_only_loss=True,
+        gradient_checkpointing=ckpt == "on", gradient_checkpointing_kwargs={"use_reentrant": False},
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, fp16=False, seed=SEED,
+        dataloader_num_workers=0, disable_tqdm=True,
+    )  # fmt: skip
 
 
 def trl_worker(args: argparse.Namespace) -> None:
@@ -157,39 +220,40 @@ def trl_worker(args: argparse.Namespace) -> None:
     from trl import SFTConfig, SFTTrainer
 
     torch.manual_seed(SEED)
-    packed = args.trl_worker == "trl-packed-masked"
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, attn_implementation="sdpa", dtype=torch.float32)
     ds = datasets.load_dataset("json", data_files=args.data, split="train")
-    cfg = SFTConfig(
-        output_dir=tempfile.mkdtemp(), max_steps=args.steps, per_device_train_batch_size=BATCH,
-        learning_rate=LR, lr_scheduler_type="cosine", warmup_steps=0, max_length=args.seq_len, packing=packed,
-        assistant_only_loss=packed, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-        bf16=False, fp16=False, seed=SEED, dataloader_num_workers=0, disable_tqdm=True,
-    )  # fmt: skip
+    cfg = SFTConfig(output_dir=tempfile.mkdtemp(), **trl_settings(args, args.trl_worker))
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
-    clock = {"tokens": 0, "start": None, "end": None, "step": 0}
+    clock = {"tokens": 0, "start": None, "end": None, "forwards": 0, "losses": []}
+    warm_forwards = args.warmup_steps * ROWS_PER_STEP
 
     class Trainer(SFTTrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
-            clock["step"] += 1
-            if clock["step"] == args.warmup_steps + 1:
+            clock["forwards"] += 1
+            if clock["forwards"] == warm_forwards + 1:
                 clock["start"] = time.perf_counter()
-            if clock["step"] > args.warmup_steps:
-                mask = inputs.get("attention_mask")
-                clock["tokens"] += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+            if clock["forwards"] > warm_forwards:  # padding-free: every position of the row is a real token
+                clock["tokens"] += int(inputs["input_ids"].numel())
             return super().training_step(model, inputs, num_items_in_batch)
 
     class End(TrainerCallback):
         def on_step_end(self, *a, **k):
             clock["end"] = time.perf_counter()
 
+        def on_log(self, _args, _state, _control, logs=None, **k):
+            if logs and "loss" in logs:
+                clock["losses"].append(logs["loss"])
+
     trainer = Trainer(
         model=model, args=cfg, train_dataset=ds, processing_class=tok, peft_config=lora, callbacks=[End()]
     )
+    lengths = [sum(x) for x in trainer.train_dataset["seq_lengths"]]
     trainer.train()
-    timed = clock["step"] - args.warmup_steps
-    print(json.dumps({"tokens_per_s": clock["tokens"] / (clock["end"] - clock["start"]), "steps_timed": timed}))
+    print(json.dumps({"tokens_per_s": clock["tokens"] / (clock["end"] - clock["start"]),
+                      "steps_timed": args.steps - args.warmup_steps,
+                      "fill_pct": 100 * sum(lengths) / (len(lengths) * args.seq_len),
+                      "final_loss": clock["losses"][-1]}))  # fmt: skip
 
 
 def main() -> None:
@@ -199,45 +263,71 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--conversations", type=int, default=2000)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rows", default="A,B", help="A: checkpointing off on both sides, B: on for both")
     p.add_argument("--only", default=",".join(PIPELINES))
+    p.add_argument("--mask-check", type=int, default=300, help="records whose trained tokens are compared")
     p.add_argument("--quick", action="store_true", help="6 steps, 2 of warmup, 400 conversations")
     p.add_argument("--json", default="")
     p.add_argument("--trl-worker", default="", help=argparse.SUPPRESS)
+    p.add_argument("--dtrain-worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
     p.add_argument("--data", default="", help=argparse.SUPPRESS)
+    p.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.dtrain_worker:
+        dtrain_worker(args.dtrain_worker, args.rest)
+        return
     if args.trl_worker:
         trl_worker(args)
         return
+    check_pins()
     if args.quick:
         args.steps, args.warmup_steps, args.conversations = 6, 2, 400
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "DTRAIN_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
-    results: dict[str, list[dict[str, Any]]] = {k: [] for k in args.only.split(",")}
-    with tempfile.TemporaryDirectory(prefix="sft-bench-") as tmp:
+    cells = [(row, kind) for row in args.rows.split(",") for kind in args.only.split(",")]
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {c: [] for c in cells}
+    with tempfile.TemporaryDirectory(prefix="sft-race-") as tmp:
         work = Path(tmp)
         model_dir, data = make_setup(work, args.conversations)
+        trained = check_masks(model_dir, data, args.mask_check)
+        versions = {n: importlib.metadata.version(n) for n in ("torch", "transformers", "peft", "trl")}
+        print(f"versions: {versions}")
+        print(f"data: {args.conversations} chat records (seed {SEED}); dtrain's and TRL's trained tokens are the same "
+              f"on the first {args.mask_check} ({trained:,} tokens)")  # fmt: skip
+        print("dtrain: " + " ".join(dtrain_args(args, Path("MODEL"), Path("DATA"), Path("OUT"), "off|on")))
+        print(f"TRL SFTConfig: {trl_settings(args, 'off|on')} + peft LoraConfig(r=8, lora_alpha=16, lora_dropout=0, "
+              f"target_modules={TARGETS}); model attn sdpa, fp32")  # fmt: skip
+        print(f"rows: {ROWS}; {args.threads} threads a process, one process each, CPU", flush=True)
         for r in range(args.rounds):
-            order = list(results) if r % 2 == 0 else list(reversed(results))  # neighbours in time
-            for kind in order:
+            for row, kind in cells if r % 2 == 0 else list(reversed(cells)):  # neighbours in time
+                ckpt = ROWS[row]
                 if kind.startswith("dtrain"):
-                    res = run_dtrain(kind, args, model_dir, data, work, env)
+                    res = run_dtrain(kind, ckpt, args, model_dir, data, work, env)
                 else:
-                    res = run_trl(kind, args, model_dir, data, env)
-                results[kind].append(res)
-                tps, rss = res["tokens_per_s"], res["peak_rss_mib"]
-                print(f"round {r + 1} {kind}: {tps:,.0f} tokens/s, peak RSS {rss:,.0f} MiB", flush=True)
-    summary = {}
-    print(f"\nmedian of {args.rounds} round(s); seq_len {args.seq_len}, batch {BATCH}, {args.steps} steps "
-          f"({args.warmup_steps} warmup), {args.threads} threads, fp32, CPU")  # fmt: skip
-    print(f"{'pipeline':<24} {'tokens/s':>10} {'peak RSS MiB':>13}")
-    for kind, rs in results.items():
-        tps = sorted(x["tokens_per_s"] for x in rs)[len(rs) // 2]
-        rss = sorted(x["peak_rss_mib"] for x in rs)[len(rs) // 2]
-        summary[kind] = {"tokens_per_s": tps, "peak_rss_mib": rss, "rounds": rs}
-        print(f"{kind:<24} {tps:>10,.0f} {rss:>13,.0f}")
+                    res = run_trl(ckpt, args, model_dir, data, env)
+                results[(row, kind)].append(res)
+                print(f"round {r + 1} row {row} (checkpointing {ckpt}) {kind}: {res['tokens_per_s']:,.0f} tokens/s, "
+                      f"peak RSS {res['peak_rss_mib']:,.0f} MiB, rows {res['fill_pct']:.1f}% full, "
+                      f"final loss {res['final_loss']:.4f}", flush=True)  # fmt: skip
+    print(f"\nmedian of {args.rounds} round(s); seq_len {args.seq_len}, {ROWS_PER_STEP} rows of 1 a step, "
+          f"{args.steps} steps ({args.warmup_steps} warmup), {args.threads} threads, fp32, CPU")  # fmt: skip
+    print(f"{'row':<5}{'pipeline':<16}{'tokens/s':>10}{'peak RSS MiB':>14}{'fill %':>8}{'x TRL tokens/s':>16}"
+          f"{'x TRL memory':>14}")  # fmt: skip
+    summary = []
+    for (row, kind), rs in results.items():
+        med = {k: statistics.median(x[k] for x in rs) for k in ("tokens_per_s", "peak_rss_mib", "fill_pct")}
+        trl = results.get((row, "trl"))
+        ratio = mem = float("nan")
+        if trl and kind != "trl":  # within each round, then the median of the rounds' ratios
+            ratio = statistics.median(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(rs, trl, strict=True))
+            mem = statistics.median(a["peak_rss_mib"] / b["peak_rss_mib"] for a, b in zip(rs, trl, strict=True))
+        summary.append({"row": row, "checkpointing": ROWS[row], "pipeline": kind, **med, "x_trl_tokens_per_s": ratio,
+                        "x_trl_memory": mem, "rounds": rs})  # fmt: skip
+        print(f"{row:<5}{kind:<16}{med['tokens_per_s']:>10,.0f}{med['peak_rss_mib']:>14,.0f}{med['fill_pct']:>8.1f}"
+              f"{ratio:>16.2f}{mem:>14.2f}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"settings": vars(args), "results": summary}, indent=1))
 

@@ -16,8 +16,9 @@ offset mapping), so tokens merge across span edges exactly as they would at infe
 `return_assistant_tokens_mask` would be simpler, but only templates with `{% generation %}` markers
 support it, and the stock Llama-3, Qwen2.5 and Mistral templates have none (it returns all zeros).
 
-Rows. Packing (the default) lays examples end to end into rows of seq_len tokens, in data order,
-starting a new row when the next example does not fit; position ids restart at 0 for each example.
+Rows. Packing (the default) lays examples end to end into rows of seq_len tokens by best-fit
+decreasing (the longest first, each into the row it fills best; TRL's packing does the same), so rows
+are nearly full; position ids restart at 0 for each example.
 transformers (5.x) turns restarting position ids into a per-document causal mask for the sdpa,
 eager and flex kernels (masking_utils.find_packed_sequence_indices, used when no attention mask is
 passed and there is no cache), and into flash-attention's varlen call for flash_attention_2/3 when
@@ -29,6 +30,8 @@ a row of its own, right-padded; a micro-batch is cut to its longest row.
 
 from __future__ import annotations
 
+import bisect
+import collections
 import dataclasses
 import re
 from typing import Any
@@ -52,6 +55,11 @@ SHAREGPT_FIELD = "conversations"  # ShareGPT's records: {"conversations": [{"fro
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool"}  # fmt: skip
 EMPTY_THINK = re.compile(r"\s*<think>\s*</think>\s*")
+# forward_rows keeps a micro-batch's columns up to a multiple of this: the matrix shapes a run meets are
+# then at most seq_len / LENGTH_BUCKET, not one per distinct length. oneDNN (the fused CPU linear,
+# dtrain.lora.fused) keeps what it builds for each shape it sees, so lengths that vary step by step
+# grew a worker without bound (docs/decisions.md, "A fair race against TRL").
+LENGTH_BUCKET = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,25 +446,51 @@ def encode(tokenizer: Any, rows: list[Row], fields: Fields, train_on_all: bool, 
     return Encoded(out, dropped, truncated, total, longest)
 
 
+def _best_fit_decreasing(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """Indices into `lengths` grouped into rows of at most seq_len tokens, by best-fit decreasing: the
+    longest example first, each into the open row it leaves least room in (the oldest such row on a
+    tie), a new row when none has room. The order is a pure function of the lengths (a stable sort),
+    so every rank builds the same rows and a resumed run the same ones again. TRL's SFT packing does
+    the same (trl.data_utils._pack_bfd, with a segment tree over free space; 1.16.0); here the free
+    spaces are a sorted list of the distinct amounts (at most seq_len of them) with a queue of rows each."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    rows: list[list[int]] = []
+    spaces: list[int] = []  # the distinct free space some open row has, ascending
+    rows_with: dict[int, collections.deque[int]] = {}
+    for i in order:
+        n = lengths[i]
+        at = bisect.bisect_left(spaces, n)
+        if at < len(spaces):
+            space = spaces[at]
+            r = rows_with[space].popleft()
+            if not rows_with[space]:
+                del spaces[at], rows_with[space]
+        else:
+            space, r = seq_len, len(rows)
+            rows.append([])
+        rows[r].append(i)
+        left = space - n
+        if left > 0:
+            if left not in rows_with:
+                bisect.insort(spaces, left)
+                rows_with[left] = collections.deque()
+            rows_with[left].append(r)
+    return rows
+
+
 def pack_rows(examples: list[Example], seq_len: int, pad_id: int, packing: bool) -> torch.Tensor:
     """N x 3 x seq_len int64: token ids, labels and position ids (restarting at each example; -1 on
-    padding). Packing fills rows in data order; without it each example has a row."""
-    rows: list[list[Example]] = []
-    used = seq_len + 1
-    for ex in examples:
-        if packing and used + len(ex.ids) <= seq_len:
-            rows[-1].append(ex)
-            used += len(ex.ids)
-        else:
-            rows.append([ex])
-            used = len(ex.ids)
-    out = torch.full((len(rows), 3, seq_len), IGNORE, dtype=torch.long)
+    padding). Packing fills rows by best-fit decreasing (`_best_fit_decreasing`); without it each
+    example has a row, in data order."""
+    lengths = [len(ex.ids) for ex in examples]
+    groups = _best_fit_decreasing(lengths, seq_len) if packing else [[i] for i in range(len(examples))]
+    out = torch.full((len(groups), 3, seq_len), IGNORE, dtype=torch.long)
     out[:, 0] = pad_id
     out[:, 2] = -1
-    for r, row in enumerate(rows):
+    for r, row in enumerate(groups):
         at = 0
-        for ex in row:
-            n = len(ex.ids)
+        for i in row:
+            ex, n = examples[i], lengths[i]
             out[r, 0, at : at + n] = torch.tensor(ex.ids)
             out[r, 1, at : at + n] = torch.tensor(ex.labels)
             out[r, 2, at : at + n] = torch.arange(n)
@@ -466,12 +500,13 @@ def pack_rows(examples: list[Example], seq_len: int, pad_id: int, packing: bool)
 
 def forward_rows(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over the trained tokens of SFT rows `x` (B x 3 x L), and their
-    count. Columns that are padding in every row are cut. Padding that remains (only ever at a row's
-    end) continues the last document's positions: it has no loss and no real token attends to it
-    (causal), and a row that holds one document then has no restart, so transformers takes the plain
-    causal kernel (no mask) for a batch of unpacked rows."""
+        count. Columns that are padding in every row are cut, to the next multiple of LENGTH_BUCKET (the
+    shapes a run meets stay few). Padding that remains (only ever at a row's
+        end) continues the last document's positions: it has no loss and no real token attends to it
+        (causal), and a row that holds one document then has no restart, so transformers takes the plain
+        causal kernel (no mask) for a batch of unpacked rows."""
     real = x[:, 2] >= 0
-    length = int(real.any(0).nonzero().max()) + 1
+    length = min(x.shape[-1], -(-(int(real.any(0).nonzero().max()) + 1) // LENGTH_BUCKET) * LENGTH_BUCKET)
     ids, labels, pos = x[:, 0, :length], x[:, 1, :length], x[:, 2, :length]
     pad = pos < 0
     n_real = (~pad).sum(-1, keepdim=True)

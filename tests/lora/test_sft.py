@@ -141,8 +141,9 @@ def test_packed_documents_do_not_see_each_other(tok, family, attn):
         at = {}
         for r in range(packed.shape[0]):  # where each example sits: restarts of the position ids
             starts = (packed[r, 2] == 0).nonzero().flatten().tolist()
-            for s in starts:
-                at[len(at)] = (r, s)
+            for s in starts:  # packing orders by length, so each start is matched to its example by its tokens
+                k = next(k for k, ex in enumerate(examples) if packed[r, 0, s : s + len(ex.ids)].tolist() == ex.ids)
+                at[k] = (r, s)
         assert len(at) == len(examples)
         for k, ex in enumerate(examples):
             r, s = at[k]
