@@ -39,6 +39,34 @@ class Sharding(str, enum.Enum):
     FSDP = "fsdp"
 
 
+# -- memory options (dtrain.lora.train's build_model/make_optimizer, dtrain.lora.plan) --
+
+
+class AdapterDtype(str, enum.Enum):
+    """The LoRA weights' dtype: fp32 (peft's default, their own master copy) or bf16 (TRL's choice
+    for QLoRA; half the adapter, gradient and AdamW bytes, docs/decisions.md has its loss curve)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class Optimizer(str, enum.Enum):
+    """AdamW with fp32 moments (torch), or bitsandbytes' 8-bit moments, paged or not."""
+
+    ADAMW = "adamw"
+    ADAMW_8BIT = "adamw-8bit"
+    PAGED_ADAMW_8BIT = "paged-adamw-8bit"
+
+
+class Attention(str, enum.Enum):
+    """The attention kernel: auto picks flash-attention 2 on a CUDA GPU that has bf16 where the
+    flash_attn package is installed, else sdpa (docs/fine-tuning.md, "Packed rows")."""
+
+    AUTO = "auto"
+    SDPA = "sdpa"
+    FLASH = "flash_attention_2"
+
+
 @dataclasses.dataclass(kw_only=True)
 class LoraConfig:
     """LoRA fine-tuning of a causal LM (transformers + peft); the adapter lands in final/adapter."""
@@ -104,6 +132,16 @@ class LoraConfig:
         Sharding.AUTO,
         "ddp (a full base model per GPU), fsdp (FSDP2: shard it, 4-bit too), auto (fsdp when the plan says it must)",
     )
+    # -- memory options --
+    adapter_dtype: AdapterDtype = opt(AdapterDtype.FP32, "LoRA weights, gradients and AdamW moments: fp32 or bf16")
+    optimizer: Optimizer = opt(
+        Optimizer.ADAMW, "adamw (fp32 moments), adamw-8bit or paged-adamw-8bit (bitsandbytes, 8-bit moments)"
+    )
+    attention: Attention = opt(
+        Attention.AUTO,
+        "auto (flash_attention_2 where flash_attn is installed on a bf16 GPU, else sdpa), sdpa, or flash_attention_2",
+    )
+    # -- end of memory options --
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -127,6 +165,8 @@ class LoraConfig:
         self.format = DataFormat(self.format)
         self.activation_checkpointing = Switch(self.activation_checkpointing)
         self.quant, self.sharding = Quant(self.quant), Sharding(self.sharding)
+        self.adapter_dtype, self.optimizer = AdapterDtype(self.adapter_dtype), Optimizer(self.optimizer)
+        self.attention = Attention(self.attention)
 
     def model_config(self) -> dict:
         """What fixes the trained weights' shapes and meaning: a checkpoint with other values is refused."""
