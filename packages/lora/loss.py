@@ -113,6 +113,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_w += (g.t() @ h).float()
                 if grad_b is not None:
                     grad_b += g.float().sum(0)
+                del g  # before the next chunk's logits: one chunk alive at a time
         return (
             grad_h,
             grad_w.to(weight.dtype) if grad_w is not None else None,

@@ -33,7 +33,7 @@ from dtrain.common.sampling import epoch_order, rank_batch
 from dtrain.common.workload import Context, run_workload
 from dtrain.lora import quant as quantmod
 from dtrain.lora import samples, sft, sharding
-from dtrain.lora.config import AdapterDtype, DataFormat, LoraConfig, Optimizer, Quant, Sharding, Switch
+from dtrain.lora.config import AdapterDtype, Attention, DataFormat, LoraConfig, Optimizer, Quant, Sharding, Switch
 from dtrain.lora.data import Blocks, Row, load_blocks, read_documents, read_rows
 from dtrain.lora.fused import fuse_model
 from dtrain.lora.loss import causal_lm_loss
@@ -234,6 +234,11 @@ def plan_needs(
         checkpointing=cfg.activation_checkpointing.value,
         targets=tuple(cfg.target_modules) or lp.LLAMA_TARGETS,
         usable_gib=usable_gib,
+        adapter_dtype=cfg.adapter_dtype.value,
+        optimizer=cfg.optimizer.value,
+        # plain text is never packed with a mask; auto-detected data may be chat: counted as packed
+        packed=cfg.packing and cfg.format != DataFormat.TEXT,
+        attention="flash" if _flash_runs(cfg, d) else "sdpa",
     )
     lp.refuse_if_unfit(p)
     return (
@@ -241,6 +246,18 @@ def plan_needs(
         p.strategy == "fsdp",
         (f"plan: {p.memory.total / lp.GIB:.1f} of {p.usable / lp.GIB:.1f} GiB per GPU on {p.card_label}"),
     )
+
+
+def _flash_runs(cfg: LoraConfig, d: Any) -> bool:
+    """Whether build_model will load flash-attention 2 (the kernel attention_kernel picks)."""
+    if cfg.attention == Attention.SDPA or d.device.type != "cuda":
+        return False
+    auto = cfg.quant == Quant.NF4 or cfg.run.precision == Precision.AUTO  # auto: the GPU's compute dtype
+    dtype = quantmod.compute_dtype(d.device) if auto else base_dtype(cfg.run.precision, d.device)
+    try:
+        return attention_kernel(cfg.attention.value, d.device, dtype)[0] == "flash_attention_2"
+    except UserError:
+        return False  # refused, in its own words, when the model loads
 
 
 def _gcp_card(accelerator: str) -> bool:
