@@ -269,6 +269,8 @@ def measure(case: Case) -> dict[str, Any]:
 
 
 def _measure(case: Case, wrap: Any) -> dict[str, Any]:
+    from dtrain.lora import quant as quantmod
+
     model, config = build(case)
     inner = model
     if wrap is not None:
@@ -292,7 +294,7 @@ def _measure(case: Case, wrap: Any) -> dict[str, Any]:
         for state in opt.state.values():
             for t in state.values():
                 live.track(_local(t))
-        for t in _quant_constants(inner):
+        for t in quantmod.constant_tensors(inner):
             live.track(t)
         static = live.current  # weights, buffers, AdamW moments, the input
         step()
@@ -320,19 +322,6 @@ def _measure(case: Case, wrap: Any) -> dict[str, Any]:
 def _local(t: Any) -> Any:
     """A DTensor's shard on this rank (FSDP2's parameters), anything else as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _quant_constants(model: torch.nn.Module) -> list[torch.Tensor]:
-    from dtrain.lora import quant as quantmod
-
-    out = []
-    for m in quantmod.linear4bit(model):
-        state = getattr(m.weight, "quant_state", None)
-        for s in (state, getattr(state, "state2", None)):
-            for t in (getattr(s, "absmax", None), getattr(s, "code", None), getattr(s, "offset", None)):
-                if isinstance(t, torch.Tensor):
-                    out.append(t)
-    return out
 
 
 def _rank_main(rank: int, case: Case, port: int, out: str) -> None:

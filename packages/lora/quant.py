@@ -100,16 +100,21 @@ def linear4bit(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
 
 
-def constant_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the 4-bit layers' quantization constants (absmax, nested constants, code books)."""
-    total = 0
+def constant_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The 4-bit layers' quantization constants (absmax, nested constants, code books)."""
+    out = []
     for m in linear4bit(model):
         state = getattr(m, "quant_state", None) or getattr(m.weight, "quant_state", None)
         for s in (state, getattr(state, "state2", None)):
             for t in (getattr(s, "absmax", None), getattr(s, "code", None), getattr(s, "offset", None)):
                 if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
-    return total
+                    out.append(t)
+    return out
+
+
+def constant_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the 4-bit layers' quantization constants."""
+    return sum(t.numel() * t.element_size() for t in constant_tensors(model))
 
 
 def place_quant_states(model: torch.nn.Module, device: torch.device) -> None:
