@@ -10,7 +10,14 @@ import typer
 from dtrain.cli import console
 from dtrain.cli import options as o
 from dtrain.common.choices import Precision
-from dtrain.lora.choices import Sharding, Switch
+from dtrain.lora.choices import AdapterDtype, Optimizer, Sharding, Switch
+
+
+class PlanAttention(str, enum.Enum):
+    """How packed rows attend: sdpa with a dense per-document mask, or flash-attention's varlen call."""
+
+    SDPA = "sdpa"
+    FLASH = "flash"
 
 
 class PlanQuant(str, enum.Enum):
@@ -46,6 +53,19 @@ def plan(
     ] = "",
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs per node")] = 1,
     nodes: Annotated[int, typer.Option("--nodes", help="nodes")] = 1,
+    adapter_dtype: Annotated[
+        AdapterDtype, typer.Option("--adapter-dtype", help="LoRA weights, gradients and AdamW moments: fp32 or bf16")
+    ] = AdapterDtype.FP32,
+    optimizer: Annotated[
+        Optimizer, typer.Option("--optimizer", help="adamw, or bitsandbytes' adamw-8bit / paged-adamw-8bit")
+    ] = Optimizer.ADAMW,
+    packed: Annotated[
+        bool, typer.Option("--packed/--no-packed", help="instruction/chat rows packed with several examples each")
+    ] = False,
+    attention: Annotated[
+        PlanAttention,
+        typer.Option("--attention", help="packed rows: sdpa (a dense per-document mask) or flash (varlen)"),
+    ] = PlanAttention.SDPA,
     as_json: o.Json = False,
 ) -> None:
     """Memory per GPU for LoRA fine-tuning MODEL: weights, adapter and optimizer state, activations with
@@ -64,6 +84,10 @@ def plan(
         quant=quant.value,
         strategy=strategy.value,
         checkpointing=checkpointing.value,
+        adapter_dtype=adapter_dtype.value,
+        optimizer=optimizer.value,
+        packed=packed,
+        attention=attention.value,
     )
     if nodes < 1:
         from dtrain.common.errors import UserError
@@ -118,9 +142,9 @@ def _print(p, cluster, gpus: int, nodes: int) -> None:
     ckpt_mark = "(used)" if p.checkpointing else ""
     rows = [
         ("base weights" + (" (NF4)" if p.quant == "4bit" else ""), mem.weights),
-        ("LoRA weights (fp32)", mem.adapter),
+        (f"LoRA weights ({p.adapter_dtype})", mem.adapter),
         ("LoRA gradients", mem.adapter_grads),
-        ("AdamW moments", mem.optimizer),
+        ("AdamW moments" + (" (8-bit)" if p.optimizer != "adamw" else ""), mem.optimizer),
         ("low-precision copies", mem.casts),
         (f"activations, no checkpointing {'' if p.checkpointing else '(used)'}", mem.activations_no_ckpt),
         (f"activations, checkpointing {ckpt_mark}", mem.activations_ckpt),

@@ -16,3 +16,31 @@ class Sharding(str, enum.Enum):
     AUTO = "auto"
     DDP = "ddp"
     FSDP = "fsdp"
+
+
+# -- memory options (dtrain.lora.train's build_model/make_optimizer, dtrain.lora.plan) --
+
+
+class AdapterDtype(str, enum.Enum):
+    """The LoRA weights' dtype: fp32 (peft's default, their own master copy) or bf16 (TRL's choice
+    for QLoRA; half the adapter, gradient and AdamW bytes, docs/decisions.md has its loss curve)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class Optimizer(str, enum.Enum):
+    """AdamW with fp32 moments (torch), or bitsandbytes' 8-bit moments, paged or not."""
+
+    ADAMW = "adamw"
+    ADAMW_8BIT = "adamw-8bit"
+    PAGED_ADAMW_8BIT = "paged-adamw-8bit"
+
+
+class Attention(str, enum.Enum):
+    """The attention kernel: auto picks flash-attention 2 on a CUDA GPU that has bf16 where the
+    flash_attn package is installed, else sdpa (docs/fine-tuning.md, "Packed rows")."""
+
+    AUTO = "auto"
+    SDPA = "sdpa"
+    FLASH = "flash_attention_2"

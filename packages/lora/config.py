@@ -6,7 +6,7 @@ import dataclasses
 import enum
 
 from dtrain.common.config import RunConfig, opt
-from dtrain.lora.choices import Sharding, Switch
+from dtrain.lora.choices import AdapterDtype, Attention, Optimizer, Sharding, Switch
 
 
 def required(help: str) -> str:  # noqa: A002 - mirrors opt()
@@ -110,6 +110,16 @@ class LoraConfig:
         Sharding.AUTO,
         "ddp (a full base model per GPU), fsdp (FSDP2: shard it, 4-bit too), auto (fsdp when the plan says it must)",
     )
+    # -- memory options --
+    adapter_dtype: AdapterDtype = opt(AdapterDtype.FP32, "LoRA weights, gradients and AdamW moments: fp32 or bf16")
+    optimizer: Optimizer = opt(
+        Optimizer.ADAMW, "adamw (fp32 moments), adamw-8bit or paged-adamw-8bit (bitsandbytes, 8-bit moments)"
+    )
+    attention: Attention = opt(
+        Attention.AUTO,
+        "auto (flash_attention_2 where flash_attn is installed on a bf16 GPU, else sdpa), sdpa, or flash_attention_2",
+    )
+    # -- end of memory options --
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -133,6 +143,8 @@ class LoraConfig:
         self.format = DataFormat(self.format)
         self.activation_checkpointing = Switch(self.activation_checkpointing)
         self.quant, self.sharding = Quant(self.quant), Sharding(self.sharding)
+        self.adapter_dtype, self.optimizer = AdapterDtype(self.adapter_dtype), Optimizer(self.optimizer)
+        self.attention = Attention(self.attention)
 
     def settle_seq_len(self, fmt: DataFormat) -> None:
         """--seq-len 0 becomes the default for the data's format, once the format is known (read_data)."""

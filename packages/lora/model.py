@@ -169,6 +169,7 @@ def load_base(
     device: torch.device | None = None,
     d: Dist | None = None,
     quantization: Any = None,
+    attention: str = "sdpa",
 ) -> tuple[torch.nn.Module, Any]:
     """The base causal LM (frozen later by peft) and its tokenizer, the model on `device` (where it was
     made, if None).
@@ -183,7 +184,8 @@ def load_base(
 
     `quantization` (a transformers BitsAndBytesConfig, dtrain.lora.quant) quantizes the linear layers
     as they are read; a preset is then written to a temporary directory first and read back from
-    it, so it goes through the same quantizing loader as a hub model."""
+    it, so it goes through the same quantizing loader as a hub model. `attention` is transformers'
+    attn_implementation (attention_kernel chooses it)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if name in PRESETS:
@@ -191,9 +193,9 @@ def load_base(
         config = AutoConfig.for_model(p.family, **p.kwargs)
         with torch.random.fork_rng(devices=[]):  # the CPU generator only: naming no GPU keeps torch off them
             torch.manual_seed(seed)  # the same base weights on every rank and every resume
-            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
         if quantization is not None:
-            return _quantized_preset(model, dtype, device, quantization), ByteTokenizer()
+            return _quantized_preset(model, dtype, device, quantization, attention), ByteTokenizer()
         return (model if device is None else model.to(device)), ByteTokenizer()
     source = "directory" if Path(name).is_dir() else "model id"
     # Without a route to the hub, don't let its client retry for most of a minute: use the cache only.
@@ -209,7 +211,7 @@ def load_base(
         try:
             tok = AutoTokenizer.from_pretrained(name, **kw)
             model = AutoModelForCausalLM.from_pretrained(
-                name, dtype=dtype, attn_implementation="sdpa", **placement, **kw
+                name, dtype=dtype, attn_implementation=attention, **placement, **kw
             )
         except (OSError, ValueError) as e:
             refusal = hub_refusal(e, f"model {name!r}") if source == "model id" and not cache_only else None
@@ -232,7 +234,7 @@ def load_base(
 
 
 def _quantized_preset(
-    model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None, quantization: Any
+    model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None, quantization: Any, attention: str
 ) -> torch.nn.Module:
     """A preset's seeded weights read back through transformers' quantizing loader."""
     import tempfile
@@ -251,7 +253,7 @@ def _quantized_preset(
         loaded = AutoModelForCausalLM.from_pretrained(
             tmp,
             dtype=dtype,
-            attn_implementation="sdpa",
+            attn_implementation=attention,
             device_map={"": device or torch.device("cpu")},
             quantization_config=quantization,
         )
@@ -259,6 +261,36 @@ def _quantized_preset(
     loaded.config._name_or_path = model.config._name_or_path
     loaded.name_or_path = model.name_or_path
     return loaded
+
+
+def flash_attention_available(device: torch.device, dtype: torch.dtype) -> str:
+    """Why flash-attention 2 cannot run here ("" when it can): it needs the flash_attn package, a
+    CUDA GPU with bf16 (sm 8.0+: A100, L4, H100; a T4 has none), and half-precision weights."""
+    import importlib.util
+
+    if device.type != "cuda":
+        return "flash-attention needs a CUDA GPU"
+    if importlib.util.find_spec("flash_attn") is None:
+        return "the flash_attn package is not installed (pip install flash-attn)"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return f"{torch.cuda.get_device_name(device)} is older than sm 8.0 (flash-attention 2 needs Ampere or later)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return "flash-attention needs bf16 or fp16 weights (this run's are fp32: --precision bf16)"
+    return ""
+
+
+def attention_kernel(choice: str, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """(transformers' attn_implementation, why) for --attention `choice` on `device` with weights of
+    `dtype`. flash_attention_2 runs packed rows as one padding-free varlen row, attending within each
+    document only; sdpa runs them with a per-document mask, dense (docs/fine-tuning.md)."""
+    why_not = flash_attention_available(device, dtype)
+    if choice == "flash_attention_2":
+        if why_not:
+            raise UserError(f"--attention flash_attention_2: {why_not}; use --attention sdpa (or auto)")
+        return choice, "as flagged"
+    if choice == "sdpa":
+        return choice, "as flagged"
+    return ("sdpa", f"auto: {why_not}") if why_not else ("flash_attention_2", "auto: flash_attn installed")
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

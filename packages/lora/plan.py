@@ -73,6 +73,12 @@ GIB = 2**30
 NF4_BYTES_PER_PARAM = (4 + 0.127) / 8
 NF4_PACKED_BYTES = 4 / 8  # the part FSDP2 shards; the rest (the constants) stays whole on every GPU
 LORA_STATE_BYTES = 4 + 4 + 8  # fp32 weight (its own master copy), gradient, AdamW's two moments
+ADAPTER_DTYPES = ("fp32", "bf16")
+OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")
+ATTENTIONS = ("sdpa", "flash")  # flash: flash-attention 2's varlen call for packed rows (no dense mask)
+BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes' Optimizer8bit min_8bit_size: smaller tensors keep fp32 moments
+BNB_BLOCK = 256  # values per fp32 scale in bitsandbytes' blockwise 8-bit moments
+CHUNK_TOKENS = 512  # dtrain.lora.loss.CHUNK_TOKENS (checked equal in tests/lora/test_plan.py)
 ALLOCATOR_FRACTION = 0.05
 WORKSPACE_GIB = 0.25
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -178,6 +184,8 @@ class Plan:
     lora_rank: int
     memory: Memory
     notes: tuple[str, ...] = ()
+    adapter_dtype: str = "fp32"
+    optimizer: str = "adamw"
 
     @property
     def fits(self) -> bool:
@@ -282,32 +290,48 @@ def activation_bytes(
     checkpointing: bool,
     repeat_kv: bool = False,
     targets: tuple[str, ...] = LLAMA_TARGETS,
+    adapter_dtype: str = "fp32",
+    loss_chunk: int = CHUNK_TOKENS,
+    packed: bool = False,
+    attention: str = "sdpa",
 ) -> float:
     """The activations' peak in bytes for one micro-batch (the module docstring's formula)."""
     a = 4 if precision == "fp32" else 2
     autocast = precision != "fp32"
+    cast_inputs = autocast and adapter_dtype == "fp32"  # peft casts each LoRA input to fp32, autocast back
     h, f, q, kv, r = m.hidden, m.intermediate, m.q, m.kv, lora_rank
     kv_saved = q if repeat_kv and kv < q else kv
     shapes = m.proj_shapes()
     adapted = [t for t in targets if t in shapes]
-    if autocast:
+    if cast_inputs:
         lora_inputs = a * sum(shapes[t][0] for t in adapted)
     else:  # shared inputs: one for q/k/v, one for gate/up, o's is the attention output, down's its own
         groups = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
         lora_inputs = a * (h * len({groups[t] for t in adapted if t in groups}) + (f if "down_proj" in adapted else 0))
     layer = 2 * 4 * h + lora_inputs + a * (2 * q + 2 * kv_saved) + 3 * a * f + a * r * len(adapted) + 4 * m.heads + 8
     tokens = batch * seq_len
-    loss = 12 * m.vocab + 8  # fp32 log-probabilities and two gradients of that size; the labels
+    # The chunked loss (dtrain.lora.loss): it keeps the final hidden states (a h), each token's fp32
+    # log-sum-exp and its shifted label (4 + 8); the backward adds the hidden states' gradient (a h)
+    # and one chunk's logits at a time: fp32 (4 V), and under autocast the compute-dtype logits they
+    # are upcast from, then the gradient cast back (2 V), never both at once.
+    chunk = min(tokens, max(1, loss_chunk))
+    loss = tokens * (2 * a * h + 12 + 8) + chunk * m.vocab * (4 + (2 if autocast else 0))
     rotary = 2 * a * m.head_dim * seq_len
+    # Packed rows under sdpa: transformers' per-document mask (B x L x L booleans, 1 B each, an input
+    # of every layer), which SDPA turns into an additive mask in the compute dtype and keeps for its
+    # backward, a layer at a time; flash-attention's varlen call takes the documents' offsets instead.
+    dense = packed and attention == "sdpa"
+    mask = batch * seq_len * seq_len if dense else 0
+    layer_mask = a * mask
     if not checkpointing:
         # The first layer's norm keeps nothing (its input, the frozen embedding's output, needs no
         # gradient); the final norm keeps its fp32 input: -4h + 4h.
-        return tokens * (m.layers * layer + loss) + rotary
+        return tokens * m.layers * layer + m.layers * layer_mask + mask + loss + rotary
     inputs = tokens * m.layers * a * h
-    at_loss = inputs + tokens * (4 * h + loss)
-    temps = a * h + 2 * a * f + (4 * max((shapes[t][0] for t in adapted), default=h) if autocast else 0)
-    at_recompute = inputs + tokens * (layer + temps)
-    return max(at_loss, at_recompute) + rotary
+    at_loss = inputs + tokens * 4 * h + loss
+    temps = a * h + 2 * a * f + (4 * max((shapes[t][0] for t in adapted), default=h) if cast_inputs else 0)
+    at_recompute = inputs + tokens * (layer + temps) + layer_mask
+    return max(at_loss, at_recompute) + mask + rotary
 
 
 def memory(
@@ -324,17 +348,29 @@ def memory(
     repeat_kv: bool = False,
     targets: tuple[str, ...] = LLAMA_TARGETS,
     overhead: bool = True,
+    adapter_dtype: str = "fp32",
+    optimizer: str = "adamw",
+    loss_chunk: int = CHUNK_TOKENS,
+    packed: bool = False,
+    attention: str = "sdpa",
 ) -> Memory:
     """What one of `gpus` GPUs holds (bytes). `overhead=False` leaves out the allocator's share (for the
     CPU check, whose allocator has none)."""
+    if attention not in ATTENTIONS:
+        raise UserError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    if adapter_dtype not in ADAPTER_DTYPES or optimizer not in OPTIMIZERS:
+        raise UserError(
+            f"adapter dtype must be one of {', '.join(ADAPTER_DTYPES)} and optimizer one of {', '.join(OPTIMIZERS)}"
+        )
     wb = 4 if precision == "fp32" else 2
     proj = m.layers * m.layer_proj_params()
-    # QLoRA: peft's k-bit preparation upcasts the embeddings, norms and head to fp32 (module docstring).
-    other_b = 4 if quant == "4bit" else wb
+    # QLoRA: embeddings, norms and head stay in the compute dtype (dtrain.lora.quant.prepare casts nothing).
+    other_b = wb
     weights = (proj * NF4_BYTES_PER_PARAM if quant == "4bit" else proj * wb) + m.other_params() * other_b
     n_lora = m.lora_params(lora_rank, targets)
     shard = gpus if strategy == "fsdp" else 1
-    casts = 2 * n_lora if precision != "fp32" else 0
+    ab = 2 if adapter_dtype == "bf16" else 4
+    casts = 2 * n_lora if precision != "fp32" and adapter_dtype == "fp32" else 0
     if quant == "4bit":  # one projection dequantized at a time
         casts += wb * max(i * o for i, o in m.proj_shapes().values())
     if strategy == "fsdp" and gpus > 1:
@@ -344,10 +380,21 @@ def memory(
         whole = proj * (NF4_BYTES_PER_PARAM - NF4_PACKED_BYTES) if quant == "4bit" else 0.0
         other = m.other_params() * other_b
         weights = (proj * proj_b + other) / shard + whole + 2 * m.layer_proj_params() * proj_b + other
-    adapter, grads, opt = 4 * n_lora / shard, 4 * n_lora / shard, 8 * n_lora / shard
+    adapter, grads = ab * n_lora / shard, ab * n_lora / shard
+    opt = optimizer_bytes(m, lora_rank, targets, adapter_dtype, optimizer) / shard
     if strategy == "ddp" and gpus > 1:
-        grads += 4 * n_lora  # DDP's gradient buckets
-    kw = dict(seq_len=seq_len, batch=batch, lora_rank=lora_rank, precision=precision, repeat_kv=repeat_kv)
+        grads += ab * n_lora  # DDP's gradient buckets
+    kw = dict(
+        seq_len=seq_len,
+        batch=batch,
+        lora_rank=lora_rank,
+        precision=precision,
+        repeat_kv=repeat_kv,
+        adapter_dtype=adapter_dtype,
+        loss_chunk=loss_chunk,
+        packed=packed,
+        attention=attention,
+    )
     act_off = activation_bytes(m, checkpointing=False, targets=targets, **kw)
     act_on = activation_bytes(m, checkpointing=True, targets=targets, **kw)
     act = act_on if checkpointing else act_off
@@ -364,6 +411,28 @@ def memory(
         activations_ckpt=act_on,
         overhead=over,
     )
+
+
+def optimizer_bytes(
+    m: ModelShape, lora_rank: int, targets: tuple[str, ...], adapter_dtype: str, optimizer: str
+) -> float:
+    """AdamW's two moments over the LoRA weights: in the weights' dtype (torch), or 8 bits each with an
+    fp32 scale a 256-value block for every tensor of at least BNB_MIN_8BIT_SIZE values (bitsandbytes'
+    AdamW8bit; smaller tensors keep two fp32 moments), plus its two 256-entry fp32 code books a tensor."""
+    n = m.lora_params(lora_rank, targets)
+    if optimizer == "adamw":
+        return 2 * (2 if adapter_dtype == "bf16" else 4) * n
+    total = 0.0
+    shapes = m.proj_shapes()
+    for t in targets:
+        if t not in shapes:
+            continue
+        for size in (lora_rank * shapes[t][0], lora_rank * shapes[t][1]):  # A (r x in), B (out x r)
+            if size >= BNB_MIN_8BIT_SIZE:
+                total += 2 * size + 2 * 4 * math.ceil(size / BNB_BLOCK) + 2 * 256 * 4
+            else:
+                total += 8 * size
+    return total * m.layers
 
 
 def _precision_for(card: accelerators.Card | None, precision: str) -> str:
@@ -386,6 +455,10 @@ def plan(
     checkpointing: str = "auto",
     targets: tuple[str, ...] = LLAMA_TARGETS,
     usable_gib: float | None = None,
+    adapter_dtype: str = "fp32",
+    optimizer: str = "adamw",
+    packed: bool = False,
+    attention: str = "sdpa",
 ) -> Plan:
     """The plan for `gpus` x `accelerator` (a GCP accelerator type, a GPU name as torch or nvidia-smi
     reports it, or "cpu" for no card; `usable_gib` overrides the card's figure, e.g. with what
@@ -429,6 +502,10 @@ def plan(
             repeat_kv=repeat_kv,
             targets=targets,
             overhead=card is not None,
+            adapter_dtype=adapter_dtype,
+            optimizer=optimizer,
+            packed=packed,
+            attention=attention,
         )
         return Plan(
             model=m,
@@ -445,6 +522,8 @@ def plan(
             lora_rank=lora_rank,
             memory=mem,
             notes=tuple(notes),
+            adapter_dtype=adapter_dtype,
+            optimizer=optimizer,
         )
 
     ckpts = {"on": (True,), "off": (False,), "auto": (False, True)}[checkpointing]

@@ -1,4 +1,5 @@
-"""QLoRA: the frozen base model's linear layers in 4-bit NF4 (bitsandbytes), the LoRA weights in fp32.
+"""QLoRA: the frozen base model's linear layers in 4-bit NF4 (bitsandbytes), the rest in the compute
+dtype, the LoRA weights in fp32 (or bf16 with --adapter-dtype bf16).
 
 NF4 with double quantization (the QLoRA paper's recipe: Dettmers et al., 2023) stores a weight in
 about 4.13 bits: 4 for the value, 8 per 64-value block for its absmax scale, and those scales
@@ -74,32 +75,46 @@ def nf4_config(compute: torch.dtype) -> Any:
 
 
 def prepare(model: torch.nn.Module) -> torch.nn.Module:
-    """peft's preparation of a k-bit model for training: every base weight frozen, and the remaining
-    non-quantized half-precision ones (embeddings, norms, the output layer) cast to fp32 for stable
-    norms and logits. That cast costs memory (Llama-3.1-8B's two 128,256 x 4,096 matrices: 4.2 GB in
-    fp32 against 2.1 in bf16) and is what peft, TRL and axolotl do by default. Activation
-    checkpointing is left to dtrain.lora.model.enable_activation_checkpointing, as for every run."""
-    from peft import prepare_model_for_kbit_training
+    """A k-bit model made ready for LoRA: every base weight frozen, and nothing cast. Embeddings,
+    norms and the output layer stay in the compute dtype they were loaded in, so the residual stream
+    runs in it (2 bytes a value), as in the other layers of every LoRA run; the norms still compute in
+    fp32 inside (Llama's RMSNorm upcasts), and the loss takes fp32 logits (dtrain.lora.loss).
 
+    peft's prepare_model_for_kbit_training would cast them to fp32 (Llama-3.1-8B's embedding and head:
+    4.2 GB instead of 2.1, and every activation of the residual stream twice as large). The peers do
+    not keep that: TRL's SFTTrainer does not call it, and casts the adapter to bf16 (trl
+    trainer/sft_trainer.py, commit f2cd577, "When using QLoRA, the PEFT adapter weights are converted
+    to bf16"); axolotl calls it, then casts the embeddings and output layer back to the compute dtype
+    (src/axolotl/loaders/model.py, _configure_embedding_dtypes, "convert them back to fp16/bf16");
+    torchtune's QLoRA recipe builds the whole model in bf16 (recipes/configs/llama3_1/
+    8B_qlora_single_device.yaml: dtype bf16). Activation checkpointing is left to
+    dtrain.lora.model.enable_activation_checkpointing, as for every run."""
     for m in linear4bit(model):  # no inference repacking on the CPU (module docstring); no effect on GPUs
         m.support_avx512bf16_for_cpu = False
-    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
 
 
 def linear4bit(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
 
 
-def constant_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the 4-bit layers' quantization constants (absmax, nested constants, code books)."""
-    total = 0
+def constant_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The 4-bit layers' quantization constants (absmax, nested constants, code books)."""
+    out = []
     for m in linear4bit(model):
         state = getattr(m, "quant_state", None) or getattr(m.weight, "quant_state", None)
         for s in (state, getattr(state, "state2", None)):
             for t in (getattr(s, "absmax", None), getattr(s, "code", None), getattr(s, "offset", None)):
                 if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
-    return total
+                    out.append(t)
+    return out
+
+
+def constant_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the 4-bit layers' quantization constants."""
+    return sum(t.numel() * t.element_size() for t in constant_tensors(model))
 
 
 def place_quant_states(model: torch.nn.Module, device: torch.device) -> None:

@@ -41,9 +41,9 @@ import torch
 from dtrain.common.errors import UserError
 from dtrain.lora.config import DEFAULT_MESSAGES, DataFormat
 from dtrain.lora.data import Row, read_rows
+from dtrain.lora.loss import IGNORE, causal_lm_loss
 from dtrain.lora.model import ByteTokenizer
 
-IGNORE = -100
 PROMPT_FIELDS = ("instruction", "prompt", "question")
 INPUT_FIELDS = ("input", "context")
 COMPLETION_FIELDS = ("output", "completion", "response", "answer")
@@ -516,12 +516,7 @@ def forward_rows(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor,
     impl = str(getattr(getattr(inner, "config", None), "_attn_implementation", "") or "")
     if impl.startswith("flash"):  # varlen only for one row: the batch as one padding-free row
         ids, labels, pos = ids.reshape(1, -1), labels.reshape(1, -1), pos.reshape(1, -1)
-    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-    targets = labels[:, 1:]
-    loss = torch.nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum"
-    )
-    return loss, (targets != IGNORE).sum()
+    return causal_lm_loss(model, ids, labels, position_ids=pos)
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ cost nothing worth sharding, and a sharded run resumes as DDP and the other way 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -57,6 +58,10 @@ def shard(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # The chunked loss (dtrain.lora.loss) takes the model's output as the final hidden states, a slice
+    # (a view) that it reads and never changes in place: FSDP2's warning about in-place ops on a
+    # returned view does not apply, and would be noise in every step's log.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mesh = init_device_mesh(d.device.type, (d.world_size,))
     layers = decoder_layers(model)
     # Innermost first (reversed pre-order), should a listed class sit inside another: a unit must not

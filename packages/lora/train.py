@@ -33,10 +33,11 @@ from dtrain.common.sampling import epoch_order, rank_batch
 from dtrain.common.workload import Context, run_workload
 from dtrain.lora import quant as quantmod
 from dtrain.lora import samples, sft, sharding
-from dtrain.lora.config import DataFormat, LoraConfig, Quant, Sharding, Switch
+from dtrain.lora.config import AdapterDtype, Attention, DataFormat, LoraConfig, Optimizer, Quant, Sharding, Switch
 from dtrain.lora.data import Blocks, Row, load_blocks, read_documents, read_rows
 from dtrain.lora.fused import fuse_model
-from dtrain.lora.model import apply_configured_lora, enable_activation_checkpointing, load_base
+from dtrain.lora.loss import causal_lm_loss
+from dtrain.lora.model import apply_configured_lora, attention_kernel, enable_activation_checkpointing, load_base
 
 MIN_LR_FRACTION = 0.1
 DEFAULT_WARMUP_FRACTION = 0.03
@@ -53,8 +54,10 @@ def lr_lambda(total: int, warmup: int):
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the block (every position is a real token)."""
-    return model(input_ids=x, labels=x, use_cache=False).loss
+    """Mean next-token cross-entropy over the block (every position is a real token), chunked
+    (dtrain.lora.loss): no fp32 logits for the whole block."""
+    total, count = causal_lm_loss(model, x, x)
+    return total / count
 
 
 def loss_terms(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int | torch.Tensor]:
@@ -127,6 +130,32 @@ def train_step(
     opt.zero_grad(set_to_none=True)
     sched.step()
     return loss_sum, norm
+
+
+def make_optimizer(
+    cfg: LoraConfig, params: list[torch.nn.Parameter], device: torch.device, sharded: bool
+) -> torch.optim.Optimizer:
+    """AdamW over the LoRA weights: torch's fused kernel (every tensor in one pass; torch's CPU
+    default is a per-tensor loop of ~12 ops), or bitsandbytes' 8-bit moments (--optimizer
+    adamw-8bit: 2 bytes a weight instead of 8 for tensors of 4,096 values or more, bitsandbytes'
+    min_8bit_size; smaller ones keep fp32 moments). Paged moments move to host memory under pressure
+    on a GPU; bitsandbytes 0.50 runs them unpaged on the CPU."""
+    kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == Optimizer.ADAMW:
+        return torch.optim.AdamW(params, **kw, fused=device.type in ("cpu", "cuda") or None)
+    if sharded:
+        raise UserError(f"--optimizer {cfg.optimizer.value} does not take FSDP2's sharded weights: use --sharding ddp")
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise UserError(
+            f"--optimizer {cfg.optimizer.value} needs bitsandbytes: pip install 'dtrain[qlora]' (or pip install "
+            "bitsandbytes), or use --optimizer adamw"
+        ) from None
+    cls = bnb.optim.PagedAdamW8bit if cfg.optimizer == Optimizer.PAGED_ADAMW_8BIT else bnb.optim.AdamW8bit
+    # bitsandbytes says so at the first step on the CPU: the docstring says it once
+    warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
+    return cls(params, **kw)
 
 
 def wrap_ddp(model: torch.nn.Module, d: Any) -> DDP:
@@ -205,6 +234,11 @@ def plan_needs(
         checkpointing=cfg.activation_checkpointing.value,
         targets=tuple(cfg.target_modules) or lp.LLAMA_TARGETS,
         usable_gib=usable_gib,
+        adapter_dtype=cfg.adapter_dtype.value,
+        optimizer=cfg.optimizer.value,
+        # plain text is never packed with a mask; auto-detected data may be chat: counted as packed
+        packed=cfg.packing and cfg.format != DataFormat.TEXT,
+        attention="flash" if _flash_runs(cfg, d) else "sdpa",
     )
     lp.refuse_if_unfit(p)
     return (
@@ -212,6 +246,18 @@ def plan_needs(
         p.strategy == "fsdp",
         (f"plan: {p.memory.total / lp.GIB:.1f} of {p.usable / lp.GIB:.1f} GiB per GPU on {p.card_label}"),
     )
+
+
+def _flash_runs(cfg: LoraConfig, d: Any) -> bool:
+    """Whether build_model will load flash-attention 2 (the kernel attention_kernel picks)."""
+    if cfg.attention == Attention.SDPA or d.device.type != "cuda":
+        return False
+    auto = cfg.quant == Quant.NF4 or cfg.run.precision == Precision.AUTO  # auto: the GPU's compute dtype
+    dtype = quantmod.compute_dtype(d.device) if auto else base_dtype(cfg.run.precision, d.device)
+    try:
+        return attention_kernel(cfg.attention.value, d.device, dtype)[0] == "flash_attention_2"
+    except UserError:
+        return False  # refused, in its own words, when the model loads
 
 
 def _gcp_card(accelerator: str) -> bool:
@@ -262,16 +308,22 @@ def build_model(ctx: Context, memory: Memory) -> tuple[torch.nn.Module, Any, lis
     """The base model (4-bit where asked), its LoRA adapter, the CPU fusions, and activation
     checkpointing: (peft model on the device, tokenizer, LoRA targets, fusion counts)."""
     cfg, d = ctx.cfg, ctx.d
+    dtype = quantmod.compute_dtype(d.device) if memory.quantized else base_dtype(ctx.precision.mode, d.device)
+    attention, why = attention_kernel(cfg.attention.value, d.device, dtype)
     if memory.quantized:
-        compute = quantmod.compute_dtype(d.device)
         where = None if memory.sharded and not whole_4bit_fits(cfg, d) else d.device
         model, tokenizer = load_base(
-            cfg.model, compute, cfg.run.seed, where, d, quantization=quantmod.nf4_config(compute)
+            cfg.model, dtype, cfg.run.seed, where, d, quantization=quantmod.nf4_config(dtype), attention=attention
         )
         model = quantmod.prepare(model)
     else:
-        model, tokenizer = load_base(cfg.model, base_dtype(ctx.precision.mode, d.device), cfg.run.seed, d.device, d)
+        model, tokenizer = load_base(cfg.model, dtype, cfg.run.seed, d.device, d, attention=attention)
+    ctx.report.info(f"attention: {attention} ({why})")
     model, targets = apply_configured_lora(model, cfg)
+    if cfg.adapter_dtype == AdapterDtype.BF16:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
     if not memory.quantized:  # 4-bit weights were placed as they were read, and peft put LoRA's beside them
         model.to(d.device)  # peft puts LoRA weights beside their base layer; this catches any it does not
     fused = fuse_model(model)  # exact regroupings of the stock arithmetic; the stock path where they do not apply
@@ -414,10 +466,7 @@ def train(ctx: Context) -> dict[str, Any]:
         )
     total = cfg.max_steps or cfg.epochs * steps_per_epoch
     warmup = cfg.warmup_steps or max(1, int(DEFAULT_WARMUP_FRACTION * total))
-    params = [p for p in model.parameters() if p.requires_grad]
-    # The fused kernel updates every LoRA tensor in one pass; torch's CPU default is a per-tensor loop of ~12 ops.
-    fused_adam = d.device.type in ("cpu", "cuda")
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused_adam or None)
+    opt = make_optimizer(cfg, [p for p in model.parameters() if p.requires_grad], d.device, memory.sharded)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, warmup))
     scaler = sharding.grad_scaler(ctx.precision.make_scaler(), memory.sharded)
 
