@@ -135,9 +135,10 @@ def test_llama_8b_on_a_t4_needs_qlora_and_checkpointing():
     # the chunked loss holds one 512-token chunk of fp32 logits, not every token's: at 8,192 tokens the
     # loss adds less than a tenth of what 12 bytes a word a token would
     kw = dict(batch=1, lora_rank=16, precision="bf16", checkpointing=False)
-    longer = lp.activation_bytes(s, seq_len=8192, **kw) - lp.activation_bytes(s, seq_len=4096, **kw)
-    per_layer_tokens = lp.activation_bytes(s, seq_len=4096, **kw) / 4096
-    assert longer == pytest.approx(4096 * per_layer_tokens, rel=0.01)  # linear: no per-token logits term
+    a4, a8, a12 = (lp.activation_bytes(s, seq_len=n, **kw) for n in (4096, 8192, 12288))
+    assert a12 - a8 == pytest.approx(a8 - a4, rel=1e-6)  # linear in the tokens: no per-token logits term
+    # what does not grow with the tokens is one chunk's logits and their gradient, at most 8 bytes a word
+    assert 0 < a4 - (a8 - a4) <= lp.CHUNK_TOKENS * s.vocab * 8
     assert 12 * s.vocab * 4096 > 10 * (lp.CHUNK_TOKENS * s.vocab * 8)
 
 
