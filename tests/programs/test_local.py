@@ -91,11 +91,12 @@ def test_a_torchrun_script_killed_mid_run_resumes_from_its_own_checkpoint_and_en
 
 def installed_editable() -> bool:
     """Whether dtrain is installed here as scripts/setup.sh installs it: `pip install -e` (PEP 610's
-    direct_url.json says so)."""
-    from importlib.metadata import distribution
+    direct_url.json says so). Every dtrain distribution is looked at: the egg-info that the editable install
+    leaves in the repository comes first on sys.path when the tests run from there, and says nothing."""
+    from importlib.metadata import distributions
 
-    direct = distribution("dtrain").read_text("direct_url.json") or "{}"
-    return bool(json.loads(direct).get("dir_info", {}).get("editable"))
+    direct = [d.read_text("direct_url.json") for d in distributions(name="dtrain")]
+    return any(json.loads(t).get("dir_info", {}).get("editable") for t in direct if t)
 
 
 def test_a_script_with_a_requirements_txt_runs_under_the_readmes_editable_install(tmp_path: Path):
