@@ -7,9 +7,9 @@
 #   scripts/test.sh            # everything (CI runs this)
 #   scripts/test.sh -k resume  # extra arguments go to pytest
 #
-# A deadline: DTRAIN_TEST_DEADLINE_S (default 4800, 80 minutes, counted from this script's start). When it comes
+# A deadline: DTRAIN_TEST_DEADLINE_S (default 5040, 84 minutes, counted from this script's start). When it comes
 # the run stops after the test under way, fails, and prints the slowest tests so far (tests/conftest.py). A test
-# or a fixture still running DTRAIN_TEST_DEADLINE_GRACE_S later (default 360: a test may take 300 s) is
+# or a fixture still running DTRAIN_TEST_DEADLINE_GRACE_S later (default 300: a test body may take 300 s) is
 # interrupted, and the slowest tests are printed from the log of finished ones.
 #
 # A skipped test fails the run (tests/conftest.py) unless it skipped with the exact reason for an absent
@@ -24,8 +24,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
-deadline_s="${DTRAIN_TEST_DEADLINE_S:-4800}"
-grace_s="${DTRAIN_TEST_DEADLINE_GRACE_S:-360}"
+deadline_s="${DTRAIN_TEST_DEADLINE_S:-5040}"
+grace_s="${DTRAIN_TEST_DEADLINE_GRACE_S:-300}"
 export DTRAIN_INTERNAL_TEST_DEADLINE_AT=$(( start + deadline_s ))
 bash scripts/setup.sh --dev
 export DTRAIN_STRICT_SKIPS="${DTRAIN_STRICT_SKIPS:-1}"
