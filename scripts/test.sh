@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Set up what the tests need (scripts/setup.sh --dev, quick when done already), then run the whole suite in one
-# pytest session: the default tests first (their failures show early), then the slow ones. One collection, and
-# the test beds (tests/cluster, tests/slurm) are built once. The slowest tests of both parts are printed at the
-# end (--durations).
+# Set up what the tests need (scripts/setup.sh --dev, quick when done already), then run the whole suite: in
+# DTRAIN_TEST_SHARDS pytest sessions side by side (default 2, see below; one with your own arguments), each running
+# its default tests first (their failures show early), then its slow ones. Each test bed (tests/cluster,
+# tests/slurm, tests/docker) is built once, in the one session that runs its tests. The slowest tests are printed
+# at the end (--durations in each session, then the slowest of all).
+#
+# To refresh the durations the shards are balanced by: DTRAIN_TEST_DURATIONS_OUT=/tmp/d.log scripts/test.sh, then
+# python tests/shards.py durations /tmp/d.log (it writes tests/durations.json).
 #
 #   scripts/test.sh            # everything (CI runs this)
 #   scripts/test.sh -k resume  # extra arguments go to pytest
@@ -30,22 +34,57 @@ export DTRAIN_INTERNAL_TEST_DEADLINE_AT=$(( start + deadline_s ))
 bash scripts/setup.sh --dev
 export DTRAIN_STRICT_SKIPS="${DTRAIN_STRICT_SKIPS:-1}"
 if [ $# -eq 0 ]; then export DTRAIN_INTERNAL_FULL_SUITE=1; else unset DTRAIN_INTERNAL_FULL_SUITE; fi
-log=$(mktemp "${TMPDIR:-/tmp}/dtrain-test-durations.XXXXXX")
-trap 'rm -f "$log"' EXIT
-export DTRAIN_INTERNAL_TEST_DURATIONS_LOG="$log"
+# Shards (DTRAIN_TEST_SHARDS, default 2; tests/shards.py): the whole suite runs as that many pytest sessions side by
+# side, each with a share of the tests chosen by their measured durations (tests/durations.json), a test bed's tests
+# all in one session (the bed is still built once). Most slow tests wait rather than compute, so two sessions on two
+# cores take much less time than one. Each session's lines are prefixed [K]. With your own arguments, one session.
+shards="${DTRAIN_TEST_SHARDS:-2}"
+if [ $# -ne 0 ]; then shards=1; fi
+work=$(mktemp -d "${TMPDIR:-/tmp}/dtrain-test.XXXXXX")
+trap 'rm -rf "$work"' EXIT
 left=$(( DTRAIN_INTERNAL_TEST_DEADLINE_AT - $(date +%s) ))
 if [ "$left" -le 0 ]; then
   echo "test.sh: DTRAIN_TEST_DEADLINE_S ($deadline_s s) reached during the set-up: no test ran" >&2
   exit 1
 fi
+# One pytest session, the deadline's grace its bound. --foreground: Ctrl-C still reaches pytest; SIGINT first, so
+# pytest tears the test beds down and reports.
+session() {
+  timeout --foreground --signal=INT --kill-after=60 $(( left + grace_s )) \
+    .venv/bin/python -m pytest --durations=50 "$@"
+}
 rc=0
-# --foreground: Ctrl-C still reaches pytest; SIGINT first, so pytest tears the test beds down and reports.
-timeout --foreground --signal=INT --kill-after=60 $(( left + grace_s )) \
-  .venv/bin/python -m pytest --durations=50 "$@" || rc=$?
+if [ "$shards" -le 1 ]; then
+  DTRAIN_INTERNAL_TEST_DURATIONS_LOG="$work/durations-0.log" session "$@" || rc=$?
+else
+  pids=()
+  for k in $(seq 0 $(( shards - 1 ))); do
+    : > "$work/out-$k"
+    DTRAIN_INTERNAL_SHARD="$k/$shards" DTRAIN_INTERNAL_SHARD_REPORT="$work/shard-$k.json" \
+      DTRAIN_INTERNAL_TEST_DURATIONS_LOG="$work/durations-$k.log" session "$@" > "$work/out-$k" 2>&1 &
+    pids+=($!)
+    tail -n +1 -f --pid="${pids[$k]}" "$work/out-$k" | sed -u "s/^/[$k] /" &  # ends after its session
+  done
+  trap 'kill -INT "${pids[@]}" 2>/dev/null || true' INT TERM
+  for k in "${!pids[@]}"; do
+    while :; do
+      r=0; wait "${pids[$k]}" || r=$?
+      kill -0 "${pids[$k]}" 2>/dev/null || break  # else a signal woke the wait: the session is still stopping
+    done
+    if [ "$rc" = 0 ] || [ "$r" = 124 ] || [ "$r" = 137 ]; then rc=$r; fi
+  done
+  wait  # the sessions' last lines, through tail
+  if [ "$rc" = 0 ]; then
+    .venv/bin/python tests/shards.py check "$shards" "${DTRAIN_INTERNAL_FULL_SUITE:-0}" "$work"/shard-*.json || rc=$?
+  fi
+  echo "test.sh: the slowest tests of all $shards sessions:"
+  cat "$work"/durations-*.log 2>/dev/null | sort -rn | head -n 15 | sed 's/^/  /'
+fi
+if [ -n "${DTRAIN_TEST_DURATIONS_OUT:-}" ]; then cat "$work"/durations-*.log > "$DTRAIN_TEST_DURATIONS_OUT" 2>/dev/null || true; fi
 if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
   echo "test.sh: a test was still running $grace_s s after the deadline (DTRAIN_TEST_DEADLINE_S=$deadline_s): stopped;" \
     "the slowest finished tests:" >&2
-  sort -rn "$log" | head -n 15 >&2
+  cat "$work"/durations-*.log 2>/dev/null | sort -rn | head -n 15 >&2
   rc=1
 fi
 echo "test.sh: exit $rc in $(( $(date +%s) - start ))s"

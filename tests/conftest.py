@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import shards
 from gpu_check import GPU_SKIP_REASON, machine_has_gpu
 from shared_data import SHARED_SKIP_REASON
 
@@ -99,6 +101,8 @@ def gcs_bucket(gcs_emulator: str, monkeypatch: pytest.MonkeyPatch) -> str:
 DEADLINE_AT = "DTRAIN_INTERNAL_TEST_DEADLINE_AT"
 DURATIONS_LOG = "DTRAIN_INTERNAL_TEST_DURATIONS_LOG"
 FULL_SUITE = "DTRAIN_INTERNAL_FULL_SUITE"
+SHARD = "DTRAIN_INTERNAL_SHARD"  # K/N: this session runs shard K of N (tests/shards.py)
+SHARD_REPORT = "DTRAIN_INTERNAL_SHARD_REPORT"  # where it says what it kept
 SLOWEST_SHOWN = 15
 
 
@@ -123,6 +127,9 @@ class _CiRun:
 
     @pytest.hookimpl(trylast=True)  # after -m/-k selection and pytest's own ordering
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        if spec := os.environ.get(SHARD):
+            # not a deselection: the other shards run the rest, and test.sh checks that together they ran it all
+            items[:] = shards.keep(items, spec, os.environ.get(SHARD_REPORT))
         items.sort(key=_is_slow)  # stable: each part keeps the collection order
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
@@ -160,9 +167,12 @@ class _CiRun:
                 terminalreporter.write_line(line)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if os.environ.get(SHARD) and session.exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and session.items == []:
+            session.exitstatus = pytest.ExitCode.OK  # a shard left with nothing: test.sh checks the shards cover all
         if self.stopped and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.INTERRUPTED
-        if os.environ.get(FULL_SUITE) == "1" and not session.shouldstop and not all(self.parts):
+        whole_here = os.environ.get(FULL_SUITE) == "1" and not os.environ.get(SHARD)  # else: test.sh checks the shards
+        if whole_here and not session.shouldstop and not all(self.parts):
             missing = "default" if not self.parts[0] else "slow"
             reporter = session.config.pluginmanager.get_plugin("terminalreporter")
             if reporter is not None:
@@ -246,6 +256,10 @@ class _StrictSkips:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # a shard is a background job of test.sh, and a shell starts those with SIGINT ignored: Python then never
+        # turns SIGINT into KeyboardInterrupt, and the deadline's SIGINT could not make pytest tear its beds down
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if not config.pluginmanager.has_plugin("dtrain-strict-skips"):
         config.pluginmanager.register(_StrictSkips(), "dtrain-strict-skips")
     if not config.pluginmanager.has_plugin("dtrain-ci-run"):

@@ -6,6 +6,7 @@ session with a deadline; and a test that does not run (a skip for anything but a
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ import textwrap
 import zipfile
 from pathlib import Path
 
+import pytest
 from gpu_check import GPU_SKIP_REASON, machine_has_gpu
 from shared_data import SHARED_SKIP_REASON
 
@@ -56,7 +58,7 @@ def test_the_test_command_sets_up_the_rest_and_runs_every_test():
     assert "bash scripts/setup.sh --dev" in script
     # one pytest session over everything (no -m: no time budget that drops the slow tests), with durations
     runs = re.findall(r"^\s*\.venv/bin/python -m pytest (.*)$", script, re.M)
-    assert runs == ['--durations=50 "$@" || rc=$?'], runs
+    assert runs == ['--durations=50 "$@"'], runs
     assert "BUDGET" not in script
 
 
@@ -91,7 +93,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _copy_plugins(root: Path) -> None:
-    for name in ("conftest.py", "gpu_check.py", "shared_data.py"):
+    for name in ("conftest.py", "gpu_check.py", "shared_data.py", "shards.py"):
         (root / name).write_text((REPO / "tests" / name).read_text())
 
 
@@ -188,6 +190,8 @@ def test_a_gpu_skip_fails_the_strict_run_where_nvidia_smi_lists_a_gpu(tmp_path):
 
 def _collect_probe(tmp_path: Path, files: dict[str, str], strict: str) -> subprocess.CompletedProcess:
     _copy_plugins(tmp_path)
+    (tmp_path / "tests").mkdir(exist_ok=True)
+    (tmp_path / "tests" / "shards.py").write_text((REPO / "tests" / "shards.py").read_text())  # test.sh's check
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(textwrap.dedent(text))
@@ -237,6 +241,8 @@ def _test_sh(tmp_path: Path, files: dict[str, str], *args: str, **env: str) -> s
     (tmp_path / ".venv" / "bin" / "python").chmod(0o755)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: a slow test\naddopts = -p no:cacheprovider\n")
     _copy_plugins(tmp_path)
+    (tmp_path / "tests").mkdir(exist_ok=True)
+    (tmp_path / "tests" / "shards.py").write_text((REPO / "tests" / "shards.py").read_text())  # test.sh's check
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(textwrap.dedent(text))
@@ -311,7 +317,8 @@ def test_test_sh_stops_at_its_deadline_fails_and_names_the_slowest_tests(tmp_pat
     assert "DTRAIN_TEST_DEADLINE_S reached: the run stops here" in r.stdout, r.stdout
     slowest = r.stdout.split("the slowest tests so far:")[-1]
     assert "test_sleepy.py::test_one" in slowest, r.stdout
-    assert int(re.search(r"here, (\d+) test\(s\) not run", r.stdout).group(1)) >= 1, r.stdout
+    # (each session stops at the deadline: the one that runs test_sleepy.py leaves a test not run)
+    assert max(int(n) for n in re.findall(r"here, (\d+) test\(s\) not run", r.stdout)) >= 1, r.stdout
 
 
 HANGING = "import time\n\ndef test_finished():\n    pass\n\ndef test_hangs():\n    time.sleep(60)\n"
@@ -435,3 +442,85 @@ def test_the_wheel_builds_without_setuptools_warnings_and_carries_the_bundle(tmp
               "service/daemon.py"]  # fmt: skip
     for path in (f"dtrain/{w}" for w in wanted):
         assert path in names, path
+
+
+# Two sessions side by side (DTRAIN_TEST_SHARDS, tests/shards.py): a bed's tests stay in one session (built once),
+# the groups are balanced by tests/durations.json, the sessions overlap in time, and every test runs exactly once.
+SHARDED = {
+    "beds/conftest.py": """
+        import pytest
+        from pathlib import Path
+
+        @pytest.fixture(scope="session")
+        def bed():
+            with open(Path(__file__).parent / "builds.txt", "a") as f:
+                f.write("built\\n")
+    """,
+    "beds/test_a.py": "def test_a1(bed):\n    print('ran: a1')\n\ndef test_a2(bed):\n    print('ran: a2')\n",
+    "beds/test_b.py": "def test_b1(bed):\n    print('ran: b1')\n",
+    "test_heavy.py": """
+        import time
+        from pathlib import Path
+
+        def test_heavy():
+            print("ran: heavy")
+            with open(Path(__file__).parent / "times.txt", "a") as f:
+                f.write(f"heavy {time.time()} ")
+                time.sleep(3)
+                f.write(f"{time.time()}\\n")
+    """,
+    "test_light.py": """
+        import time
+        from pathlib import Path
+        import pytest
+
+        @pytest.mark.slow
+        def test_light():
+            print("ran: light")
+            with open(Path(__file__).parent / "times.txt", "a") as f:
+                f.write(f"light {time.time()} ")
+                time.sleep(3)
+                f.write(f"{time.time()}\\n")
+    """,
+    # the heavy file alone weighs more than the bed's tests and the light file together
+    "durations.json": json.dumps(
+        {"test_heavy.py::test_heavy": 100, "beds/test_a.py::test_a1": 30, "test_light.py::test_light": 20}
+    ),
+}
+
+
+def _shard_of(out: str, name: str) -> set[str]:
+    return {m for m in re.findall(rf"^\[(\d)\] .*?ran: {name}$", out, re.M)}
+
+
+def test_test_sh_runs_two_sessions_side_by_side_each_bed_in_one_and_every_test_once(tmp_path):
+    r = _test_sh(tmp_path, SHARDED, DTRAIN_TEST_SHARDS="2", PYTEST_ADDOPTS="-s")
+    out = r.stdout
+    assert r.returncode == 0, out + r.stderr
+    (root,) = [p for p in tmp_path.iterdir() if (p / "beds" / "builds.txt").exists()]
+    assert (root / "beds" / "builds.txt").read_text() == "built\n"  # the bed: once, in one session
+    for name in ("a1", "a2", "b1", "heavy", "light"):
+        assert len(re.findall(rf"^\[\d\] .*?ran: {name}$", out, re.M)) == 1, (name, out)  # every test exactly once
+    heavy, bed = _shard_of(out, "heavy"), _shard_of(out, "a1") | _shard_of(out, "a2") | _shard_of(out, "b1")
+    assert len(bed) == 1 and heavy != bed and _shard_of(out, "light") == bed, out  # the durations' balance
+    rows = [line.split() for line in (root / "times.txt").read_text().splitlines()]
+    spans = {name: (float(t0), float(t1)) for name, t0, t1 in rows}
+    assert spans["heavy"][0] < spans["light"][1] and spans["light"][0] < spans["heavy"][1], spans  # they overlapped
+    assert "test.sh: the slowest tests of all 2 sessions:" in out
+
+
+def test_the_shard_check_fails_when_the_sessions_do_not_cover_the_collection(tmp_path):
+    from shards import check
+
+    def report(shard: int, kept: int, slow: int, collected: int = 5) -> Path:
+        path = tmp_path / f"shard-{shard}.json"
+        path.write_text(json.dumps({"shard": shard, "shards": 2, "collected": collected, "kept": kept,
+                                    "default": kept - slow, "slow": slow}))  # fmt: skip
+        return path
+
+    assert check([report(0, 3, 1), report(1, 2, 0)], 2, True) == 0
+    assert check([report(0, 3, 1), report(1, 1, 0)], 2, True) == 1  # a test in neither session
+    assert check([report(0, 3, 1)], 2, True) == 1  # a session that never reported
+    assert check([report(0, 3, 1), report(1, 2, 0, collected=6)], 2, True) == 1  # different collections
+    assert check([report(0, 3, 0), report(1, 2, 0)], 2, True) == pytest.ExitCode.NO_TESTS_COLLECTED  # no slow test
+    assert check([report(0, 3, 0), report(1, 2, 0)], 2, False) == 0  # a selection of your own may hold no slow test

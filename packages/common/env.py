@@ -23,6 +23,8 @@ NON_SETTING_ENV = frozenset(
         "DTRAIN_STRICT_SKIPS",  # scripts/test.sh: 0 lets tests skip for reasons CI does not accept
         "DTRAIN_TEST_DEADLINE_S",  # scripts/test.sh: the test run's deadline
         "DTRAIN_TEST_DEADLINE_GRACE_S",  # scripts/test.sh: how long a test may run past it
+        "DTRAIN_TEST_SHARDS",  # scripts/test.sh: how many pytest sessions run the suite side by side
+        "DTRAIN_TEST_DURATIONS_OUT",  # scripts/test.sh: where to keep each test's seconds
     }
 )
 
