@@ -222,11 +222,11 @@ class Mirror:
     def _sync_files(self, final: bool, quick: bool = False, killed: bool = False) -> SyncResult:
         if not self._loaded:
             self._load()
-        found = _scan(self.local_dir)
+        found, temporaries = _scan(self.local_dir)
         keys = {rel: _key(st) for rel, st in found.items()}
         pids = None if self._pids is None else list(self._pids())
         inodes = {(st.st_dev, st.st_ino) for st in found.values()}
-        writing = _open_for_writing(inodes | _temporaries(self.local_dir), pids)
+        writing = _open_for_writing(inodes | temporaries, pids)
         busy = {rel for rel, st in found.items() if (st.st_dev, st.st_ino) in writing}
         saving = bool(writing - inodes)  # a temporary file is being written: a save is under way
         for rel, key in keys.items():  # which files' present bytes arrived by a rename
@@ -442,7 +442,7 @@ def restore(store: Store, local_dir: Path, *, log: Log = print) -> RestoreResult
         except _BadBlob as e:
             chooser.bad.add(e.sha)
             continue
-        left_alone = tuple(sorted(set(_scan(local_dir)) - set(wanted)))
+        left_alone = tuple(sorted(set(_scan(local_dir)[0]) - set(wanted)))
         result = RestoreResult({n: m["seq"] for n, m in chosen.items()}, downloaded, nbytes, present, left_alone)
         log(
             f"checkpoint restore: {len(wanted)} file(s) from "
@@ -682,22 +682,27 @@ def _key(st: os.stat_result) -> _Key:
     return (st.st_size, st.st_mtime_ns, st.st_ino)
 
 
-def _scan(local_dir: Path) -> dict[str, os.stat_result]:
-    """Regular files under `local_dir` by '/'-separated relative path, temporary-looking names left out."""
+def _scan(local_dir: Path) -> tuple[dict[str, os.stat_result], set[tuple[int, int]]]:
+    """One walk of `local_dir`: its regular files by '/'-separated relative path, temporary-looking names and
+    everything under a temporary-looking directory left out; and (st_dev, st_ino) of those temporary files (never
+    copied: one that is open for writing means a save is under way, `torch.save` to `x.tmp`, then a rename).
+    Hidden directories (.git and the like) are not walked."""
     found: dict[str, os.stat_result] = {}
+    temporaries: set[tuple[int, int]] = set()
     for dirpath, dirnames, filenames in os.walk(local_dir):
-        dirnames[:] = sorted(d for d in dirnames if not is_temporary(d))
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        rel_dir = Path(dirpath).relative_to(local_dir)
+        in_temporary = any(is_temporary(part) for part in rel_dir.parts)
         for name in sorted(filenames):
-            if is_temporary(name):
-                continue
-            path = os.path.join(dirpath, name)
             try:
-                st = os.stat(path)
-            except FileNotFoundError:  # removed while we looked
+                st = os.stat(os.path.join(dirpath, name))
+            except OSError:  # removed while we looked
                 continue
-            if stat.S_ISREG(st.st_mode):
-                found[Path(path).relative_to(local_dir).as_posix()] = st
-    return found
+            if in_temporary or is_temporary(name):
+                temporaries.add((st.st_dev, st.st_ino))
+            elif stat.S_ISREG(st.st_mode):
+                found[(rel_dir / name).as_posix()] = st
+    return found, temporaries
 
 
 def _under(rel: str, prefix: str) -> bool:
@@ -706,20 +711,6 @@ def _under(rel: str, prefix: str) -> bool:
 
 def _content_of(entry: dict[str, Any] | None) -> tuple[int, int] | None:
     return None if entry is None else (entry["size"], entry["mtime_ns"])
-
-
-def _temporaries(local_dir: Path) -> set[tuple[int, int]]:
-    """(st_dev, st_ino) of the temporary-looking files under `local_dir` (never copied): one that is open for
-    writing means a save is under way (`torch.save` to `x.tmp`, then a rename)."""
-    out: set[tuple[int, int]] = set()
-    for dirpath, dirnames, filenames in os.walk(local_dir):
-        for name in filenames:
-            if is_temporary(name) or is_temporary(os.path.basename(dirpath)):
-                with contextlib.suppress(OSError):
-                    st = os.stat(os.path.join(dirpath, name))
-                    out.add((st.st_dev, st.st_ino))
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # .git and the like: not a save
-    return out
 
 
 def _units(local_dir: Path, keys: dict[str, _Key]) -> dict[str, tuple[set[str], bool]]:
