@@ -44,6 +44,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,14 +162,41 @@ def _teardown(state: dict, procs: tuple | list = ()) -> None:
     (STATE_DIR / f"{state['prefix']}.json").unlink(missing_ok=True)
 
 
-def _release_pyenv_lock() -> None:
+PYENV_LOCK_STALE_S = 10.0  # a rehash holds the lock for well under a second
+PYENV_LOCK_WATCH_S = 2.0
+
+
+def _release_pyenv_lock(stale_s: float = PYENV_LOCK_STALE_S) -> bool:
     """Where root's .bashrc runs `pyenv init` (these machines'), every SSH login runs pyenv's rehash, which
-    holds $PYENV_ROOT/shims/.pyenv-shim while it works. A login shell killed by crash() in that moment leaves
-    the lock behind, and every later login on the machine then waits 60 s for it: remove it once no rehash
-    is running."""
+    holds $PYENV_ROOT/shims/.pyenv-shim while it works. A login shell killed in that moment (crash(), or a test
+    run stopped with SIGKILL) leaves the lock behind, and every later login on the machine then waits
+    PYENV_REHASH_TIMEOUT (60 s) for it, in this test bed and in any other. Rehashes waiting for the lock are no
+    sign that it is held: only its age is. Removes a lock older than `stale_s`; True if it did."""
     lock = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "shims" / ".pyenv-shim"
-    if lock.exists() and not _run("pgrep", "-f", "pyenv-rehash", check=False).stdout.strip():
-        lock.unlink(missing_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        if time.time() - lock.stat().st_mtime > stale_s:
+            lock.unlink()
+            return True
+    return False
+
+
+class _PyenvLockWatch:
+    """While a test bed lives, a lock left by a killed login is removed within PYENV_LOCK_STALE_S +
+    PYENV_LOCK_WATCH_S, so logins wait seconds, not a minute each."""
+
+    def __init__(self, every_s: float = PYENV_LOCK_WATCH_S) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every_s,), name="pyenv-lock-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            with contextlib.suppress(OSError):
+                _release_pyenv_lock()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class Testbed:
@@ -185,6 +213,7 @@ class Testbed:
         self.authorized_keys = self.root / "authorized_keys"
         self._procs: list[subprocess.Popen] = []
         self._destroyed = False
+        self._pyenv_watch: _PyenvLockWatch | None = None
 
     # -- creation ------------------------------------------------------------------------------------------
 
@@ -228,6 +257,7 @@ class Testbed:
             except BaseException:
                 bed.destroy()
                 raise
+        bed._pyenv_watch = _PyenvLockWatch()
         try:
             bed._start_hosts(n)
         except BaseException:
@@ -434,6 +464,8 @@ class Testbed:
         """
         if not self._destroyed:
             self._destroyed = True
+            if self._pyenv_watch is not None:
+                self._pyenv_watch.stop()
             _teardown(self.state, self._procs)
 
     def __enter__(self) -> Testbed:

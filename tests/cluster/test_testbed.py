@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -175,20 +177,31 @@ time.sleep(60)
 
 
 def test_a_pyenv_lock_left_by_a_killed_login_is_released(tmp_path, monkeypatch):
-    """crash() kills login shells mid-flight; one killed during pyenv's rehash (root's .bashrc runs `pyenv
-    init` on these machines) leaves shims/.pyenv-shim, and every later SSH login waits 60 s on it."""
+    """crash() (or a run stopped by SIGKILL) kills login shells mid-flight; one killed during pyenv's rehash
+    (root's .bashrc runs `pyenv init` on these machines) leaves shims/.pyenv-shim, and every later SSH login waits
+    60 s on it. Logins waiting for it are pyenv-rehash processes too, so only its age says it is stale; a test bed
+    watches for it while it lives."""
     from .bed import testbed as module
 
     lock = tmp_path / "shims" / ".pyenv-shim"
     lock.parent.mkdir()
     lock.write_text("")
     monkeypatch.setenv("PYENV_ROOT", str(tmp_path))
-    rehash = subprocess.Popen(["bash", "-c", "exec -a pyenv-rehash sleep 30"])
+    waiting = subprocess.Popen(["bash", "-c", "exec -a pyenv-rehash sleep 30"])  # a login waiting for it
     try:
-        module._release_pyenv_lock()
-        assert lock.exists()  # a rehash is running: its lock is its own
+        assert not module._release_pyenv_lock() and lock.exists()  # fresh: a rehash at work holds it
+        os.utime(lock, (time.time() - 60, time.time() - 60))
+        assert module._release_pyenv_lock() and not lock.exists()  # old: its holder is dead, waiters or not
     finally:
-        rehash.kill()
-        rehash.wait()
-    module._release_pyenv_lock()
-    assert not lock.exists()
+        waiting.kill()
+        waiting.wait()
+    lock.write_text("")
+    os.utime(lock, (time.time() - 60, time.time() - 60))
+    watch = module._PyenvLockWatch(every_s=0.1)
+    try:
+        deadline = time.monotonic() + 10
+        while lock.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not lock.exists()
+    finally:
+        watch.stop()
