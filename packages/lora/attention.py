@@ -23,11 +23,25 @@ flex attention (benchmarks/packed_attention.py).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 PACKED_SDPA = "sdpa_packed"
+# The last position ids seen and their document lengths: every layer of a forward (and a checkpointed
+# layer's recompute) gets the same tensor, so the lengths are read off it once, not once a layer (on a
+# GPU, each read waits for the device).
+_last: tuple[weakref.ref, int, list[list[int]]] | None = None
+
+
+def _lengths_of(position_ids: torch.Tensor) -> list[list[int]]:
+    global _last
+    if _last is not None and _last[0]() is position_ids and _last[1] == position_ids._version:
+        return _last[2]
+    lengths = document_lengths(position_ids)
+    _last = (weakref.ref(position_ids), position_ids._version, lengths)
+    return lengths
 
 
 def document_lengths(position_ids: torch.Tensor) -> list[list[int]]:
@@ -87,7 +101,7 @@ def packed_sdpa_attention(
     position_ids = kwargs.get("position_ids")
     if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2] or query.shape[2] < 2:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    rows = document_lengths(position_ids)
+    rows = _lengths_of(position_ids)
     if len(rows) == 1 and query.shape[0] > 1:  # one row of position ids for the whole batch
         rows = rows * query.shape[0]
     out = [

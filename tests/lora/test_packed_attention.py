@@ -174,3 +174,14 @@ def test_flash_attention_is_picked_and_isolates_where_it_is_installed():
     model, _ = modelmod.load_base("tiny-llama", torch.bfloat16, 0, gpu, attention=kernel)
     assert model.config._attn_implementation == kernel
     assert sft.packing_isolates(model, 258, gpu)[0]
+
+
+def test_document_lengths_follow_the_position_ids_even_when_changed_in_place():
+    """The lengths are read once for all layers of a forward; position ids changed in place are read again."""
+    from dtrain.lora import attention
+
+    pos = torch.cat([torch.arange(3), torch.arange(5)])[None]
+    assert attention._lengths_of(pos) == [[3, 5]]
+    pos[0, 3:] += 3  # one document of 8 now
+    assert attention._lengths_of(pos) == [[8]]
+    assert attention.document_lengths(torch.tensor([[0, 1, 0, 0, 1, 2, 7]])) == [[2, 1, 3, 1]]
