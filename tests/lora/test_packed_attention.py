@@ -185,3 +185,25 @@ def test_document_lengths_follow_the_position_ids_even_when_changed_in_place():
     pos[0, 3:] += 3  # one document of 8 now
     assert attention._lengths_of(pos) == [[8]]
     assert attention.document_lengths(torch.tensor([[0, 1, 0, 0, 1, 2, 7]])) == [[2, 1, 3, 1]]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_other_families_keep_documents_apart_and_match_sdpa(family):
+    """Qwen2 (q/k/v biases, grouped heads) and Mistral with a sliding window (stock sdpa's mask then:
+    SDPA per document has no window): the packing check passes and the logits are sdpa's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dtrain.lora import attention
+
+    attention.register()
+    kw = {**GQA_LLAMA, **({"sliding_window": 16} if family == "mistral" else {})}
+    rows = packed_rows(kw["vocab_size"])
+    logits = {}
+    for impl in ("sdpa", "sdpa_packed"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **kw), attn_implementation=impl).eval()
+        assert sft.packing_isolates(model, kw["vocab_size"], CPU)[0]
+        with torch.no_grad():
+            logits[impl] = model(input_ids=rows[:, 0], position_ids=rows[:, 2].clamp(min=0), use_cache=False).logits
+    real = rows[:, 2] >= 0
+    torch.testing.assert_close(logits["sdpa_packed"][real], logits["sdpa"][real], rtol=1e-5, atol=1e-5)
