@@ -25,7 +25,7 @@ GQA_LLAMA = {**MICRO_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 2} 
 DOCS = [[5, 17, 3], [11, 7, 9, 2], [29]]  # rows of document lengths; the last row is one document
 
 
-def build(shape: dict, impl: str, fused: bool = False) -> torch.nn.Module:
+def build(shape: dict, impl: str, fused: bool = False, checkpointing: bool = False) -> torch.nn.Module:
     """A LoRA model (r 4 on the seven projections, B not zero) seeded alike for every `impl`."""
     modelmod.PRESETS["packed-test"] = modelmod.Preset("llama", shape, modelmod.LLAMA_TARGETS)
     try:
@@ -40,6 +40,8 @@ def build(shape: dict, impl: str, fused: bool = False) -> torch.nn.Module:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     if fused:
         fuse_lora_linears(model)
+    if checkpointing:
+        modelmod.enable_activation_checkpointing(model)
     return model.train()
 
 
@@ -80,14 +82,18 @@ def test_plan_counts_the_dense_mask_only_for_sdpa():
     assert not _dense_mask_runs(LoraConfig(model="tiny-llama", data="x.txt", attention="sdpa_packed"), d)
 
 
-@pytest.mark.parametrize(("shape", "fused"), [(MICRO_LLAMA, False), (MICRO_LLAMA, True), (GQA_LLAMA, True)])
-def test_same_loss_and_gradients_as_the_dense_mask(shape, fused):
+@pytest.mark.parametrize(
+    ("shape", "fused", "checkpointing"),
+    [(MICRO_LLAMA, False, False), (MICRO_LLAMA, True, False), (GQA_LLAMA, True, False), (GQA_LLAMA, True, True)],
+)
+def test_same_loss_and_gradients_as_the_dense_mask(shape, fused, checkpointing):
     """forward_rows on packed rows (three documents in a row, padding after): the loss and every
-    LoRA gradient equal the dense-mask sdpa's, with stock and with dtrain's fused attention block."""
+    LoRA gradient equal the dense-mask sdpa's, with stock and with dtrain's fused attention block,
+    and with activation checkpointing (each layer recomputed in the backward)."""
     rows = packed_rows(shape["vocab_size"])
     grads = {}
     for impl in ("sdpa", "sdpa_packed"):
-        model = build(shape, impl, fused)
+        model = build(shape, impl, fused, checkpointing)
         total, count = sft.forward_rows(model, rows)
         (total / count).backward()
         grads[impl] = (total.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
