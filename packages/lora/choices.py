@@ -38,9 +38,13 @@ class Optimizer(str, enum.Enum):
 
 
 class Attention(str, enum.Enum):
-    """The attention kernel: auto picks flash-attention 2 on a CUDA GPU that has bf16 where the
-    flash_attn package is installed, else sdpa (docs/fine-tuning.md, "Packed rows")."""
+    """The attention kernel for packed rows: flash_attention_2 (flash-attention's varlen call), or
+    sdpa_packed (SDPA on each document, dtrain.lora.attention), both skipping the masked blocks; sdpa
+    is transformers' stock SDPA over a dense block-diagonal mask. auto picks flash-attention 2 on a
+    CUDA GPU with bf16 where the flash_attn package is installed, else sdpa_packed
+    (docs/fine-tuning.md, "Packed rows"; docs/decisions.md, "Packed attention")."""
 
     AUTO = "auto"
     SDPA = "sdpa"
+    SDPA_PACKED = "sdpa_packed"
     FLASH = "flash_attention_2"

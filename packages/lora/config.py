@@ -117,7 +117,8 @@ class LoraConfig:
     )
     attention: Attention = opt(
         Attention.AUTO,
-        "auto (flash_attention_2 where flash_attn is installed on a bf16 GPU, else sdpa), sdpa, or flash_attention_2",
+        "packed rows: auto (flash_attention_2 where flash_attn is installed on a bf16 GPU, else sdpa_packed), "
+        "flash_attention_2 (varlen), sdpa_packed (SDPA per document), or sdpa (a dense block-diagonal mask)",
     )
     # -- end of memory options --
 

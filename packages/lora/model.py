@@ -20,6 +20,8 @@ import torch
 from dtrain.common import env as envmod
 from dtrain.common.dist import Dist
 from dtrain.common.errors import UserError
+from dtrain.lora.attention import PACKED_SDPA
+from dtrain.lora.attention import register as register_packed_sdpa
 
 # How long every rank waits for the first rank of each node to download a hub model: hours, not the
 # collective timeout's minutes (a 7B model is about 15 GB; a slow link takes most of an hour for it).
@@ -185,8 +187,11 @@ def load_base(
     `quantization` (a transformers BitsAndBytesConfig, dtrain.lora.quant) quantizes the linear layers
     as they are read; a preset is then written to a temporary directory first and read back from
     it, so it goes through the same quantizing loader as a hub model. `attention` is transformers'
-    attn_implementation (attention_kernel chooses it)."""
+    attn_implementation (attention_kernel chooses it), or dtrain's PACKED_SDPA (dtrain.lora.attention)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if attention == PACKED_SDPA:
+        register_packed_sdpa()
 
     if name in PRESETS:
         p = PRESETS[name]
@@ -280,17 +285,19 @@ def flash_attention_available(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def attention_kernel(choice: str, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
-    """(transformers' attn_implementation, why) for --attention `choice` on `device` with weights of
+    """(the attn_implementation to load, why) for --attention `choice` on `device` with weights of
     `dtype`. flash_attention_2 runs packed rows as one padding-free varlen row, attending within each
-    document only; sdpa runs them with a per-document mask, dense (docs/fine-tuning.md)."""
-    why_not = flash_attention_available(device, dtype)
+    document only; sdpa_packed runs SDPA on each document (dtrain.lora.attention); sdpa runs them with
+    a dense per-document mask. auto: flash-attention 2 where it can run, else sdpa_packed
+    (docs/decisions.md, "Packed attention")."""
     if choice == "flash_attention_2":
-        if why_not:
-            raise UserError(f"--attention flash_attention_2: {why_not}; use --attention sdpa (or auto)")
+        if why_not := flash_attention_available(device, dtype):
+            raise UserError(f"--attention flash_attention_2: {why_not}; use --attention sdpa_packed (or auto)")
         return choice, "as flagged"
-    if choice == "sdpa":
+    if choice in ("sdpa", PACKED_SDPA):
         return choice, "as flagged"
-    return ("sdpa", f"auto: {why_not}") if why_not else ("flash_attention_2", "auto: flash_attn installed")
+    why_not = flash_attention_available(device, dtype)
+    return (PACKED_SDPA, f"auto: {why_not}") if why_not else ("flash_attention_2", "auto: flash_attn installed")
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

@@ -23,7 +23,8 @@ transformers (5.x) turns restarting position ids into a per-document causal mask
 eager and flex kernels (masking_utils.find_packed_sequence_indices, used when no attention mask is
 passed and there is no cache), and into flash-attention's varlen call for flash_attention_2/3 when
 the batch is one row (modeling_flash_attention_utils._is_packed_sequence); `forward_rows` flattens
-the micro-batch into one row for those. `packing_isolates` checks this on the loaded model before
+the micro-batch into one row for those. dtrain's sdpa_packed (dtrain.lora.attention) builds no mask
+and runs SDPA on each document of each row. `packing_isolates` checks this on the loaded model before
 training, and packing is turned off with a notice where it fails. With packing off, each example is
 a row of its own, right-padded; a micro-batch is cut to its longest row.
 """

@@ -238,7 +238,7 @@ def plan_needs(
         optimizer=cfg.optimizer.value,
         # plain text is never packed with a mask; auto-detected data may be chat: counted as packed
         packed=cfg.packing and cfg.format != DataFormat.TEXT,
-        attention="flash" if _flash_runs(cfg, d) else "sdpa",
+        attention="sdpa" if _dense_mask_runs(cfg, d) else "flash",
     )
     lp.refuse_if_unfit(p)
     return (
@@ -248,16 +248,15 @@ def plan_needs(
     )
 
 
-def _flash_runs(cfg: LoraConfig, d: Any) -> bool:
-    """Whether build_model will load flash-attention 2 (the kernel attention_kernel picks)."""
-    if cfg.attention == Attention.SDPA or d.device.type != "cuda":
-        return False
+def _dense_mask_runs(cfg: LoraConfig, d: Any) -> bool:
+    """Whether build_model will load stock sdpa, whose packed rows carry a dense L x L mask; the plan
+    counts none for flash-attention 2 and sdpa_packed (the kernel attention_kernel picks), which
+    skip the masked blocks (docs/decisions.md, "Packed attention")."""
+    if cfg.attention != Attention.AUTO or d.device.type != "cuda":  # auto: sdpa_packed off a GPU
+        return cfg.attention == Attention.SDPA
     auto = cfg.quant == Quant.NF4 or cfg.run.precision == Precision.AUTO  # auto: the GPU's compute dtype
     dtype = quantmod.compute_dtype(d.device) if auto else base_dtype(cfg.run.precision, d.device)
-    try:
-        return attention_kernel(cfg.attention.value, d.device, dtype)[0] == "flash_attention_2"
-    except UserError:
-        return False  # refused, in its own words, when the model loads
+    return attention_kernel(cfg.attention.value, d.device, dtype)[0] == "sdpa"
 
 
 def _gcp_card(accelerator: str) -> bool:

@@ -17,9 +17,9 @@ from dtrain.lora.train import make_optimizer  # noqa: E402
 CPU = torch.device("cpu")
 
 
-def test_auto_attention_is_sdpa_without_flash_attention_and_says_why():
+def test_auto_attention_is_sdpa_packed_without_flash_attention_and_says_why():
     kernel, why = modelmod.attention_kernel("auto", CPU, torch.bfloat16)
-    assert kernel == "sdpa" and why == "auto: flash-attention needs a CUDA GPU"
+    assert kernel == "sdpa_packed" and why == "auto: flash-attention needs a CUDA GPU"
     assert modelmod.attention_kernel("sdpa", CPU, torch.float32) == ("sdpa", "as flagged")
 
 
@@ -27,7 +27,7 @@ def test_flash_attention_asked_for_where_it_cannot_run_is_one_line():
     with pytest.raises(UserError) as e:
         modelmod.attention_kernel("flash_attention_2", CPU, torch.bfloat16)
     assert str(e.value) == (
-        "--attention flash_attention_2: flash-attention needs a CUDA GPU; use --attention sdpa (or auto)"
+        "--attention flash_attention_2: flash-attention needs a CUDA GPU; use --attention sdpa_packed (or auto)"
     )
 
 
