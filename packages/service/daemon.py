@@ -164,7 +164,7 @@ class Service:
     # -- look ---------------------------------------------------------------------------------------
 
     def look(self, now: float | None = None) -> Seen:
-        from dtrain.control.gcp.api import node_states
+        from dtrain.control.gcp.vmstates import node_states
 
         names = [self.cfg.master, *self.cfg.workers]
         vms: dict[str, Vm] | None

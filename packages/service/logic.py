@@ -3,7 +3,7 @@ the VMs, Slurm's queue and nodes, the login sessions) and what it remembers (Sta
 
 Rules (docs/service.md says why):
   - Recovery acts only on a confirmed preemption: a VM that is TERMINATED/STOPPED *and* has a
-    `compute.instances.preempted` operation after its last start (api.node_states' `preempted`). A
+    `compute.instances.preempted` operation after its last start (gcp.vmstates.node_states' `preempted`). A
     failed or odd status call changes nothing and starts nothing (skypilot#10155).
   - A start is tried again with exponential backoff (START_BACKOFF_S doubling, capped at
     START_BACKOFF_CAP_S), for ever: a zone without capacity says "waiting for capacity in <zone> since

@@ -51,7 +51,7 @@ class Cloud:
     def __init__(self, bed: Env, **service: object) -> None:
         from google.auth.credentials import AnonymousCredentials
 
-        from dtrain.control.gcp.api import Gcp
+        from dtrain.control.gcp.client import Gcp
 
         self.bed, self.world = bed, ComputeWorld(PROJECT)
         w = self.world
