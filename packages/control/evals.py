@@ -230,7 +230,7 @@ def submit_eval(plan: EvalPlan, *, events: Events) -> QueuedEval:
     return at once with the job id: the job runs the same `python -m dtrain.evaluate eval ...` line as
     run_eval does on the master, so it writes the same record. The job's files are in
     <workdir>/runs/<eval id> on the nodes; `dtrain jobs` shows it as eval:<workload> of the run."""
-    from dtrain.control.slurm.jobs import submit_module
+    from dtrain.control.slurm.submit import submit_module
 
     target = plan.target
     need_slurm(target)
