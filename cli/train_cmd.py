@@ -151,8 +151,9 @@ def launch(
     time: str = "",
 ) -> int:
     """Run `workload` where the settings say; report where the run went; return the job's exit code."""
-    from dtrain.control.launch import LaunchRequest, next_step
+    from dtrain.control.launch import LaunchRequest
     from dtrain.control.launch import launch as control_launch
+    from dtrain.control.launch_result import next_step
     from dtrain.control.slurm.spec import check_time
 
     request = LaunchRequest(
@@ -190,7 +191,7 @@ def program(ctx: typer.Context) -> None:
 def run_program(argv: list[str]) -> int:
     """`dtrain train` of a user's program: parse its line, resolve a job table, run it, report."""
     from dtrain.control.jobs_file import program_request
-    from dtrain.control.launch import next_step
+    from dtrain.control.launch_result import next_step
     from dtrain.control.userjob import launch_program
 
     if argv and argv[0] in ("-h", "--help"):

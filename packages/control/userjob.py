@@ -33,7 +33,7 @@ from dtrain.common.procs import dies_with_parent
 from dtrain.common.rundir import CHECKPOINTS, CKPT_PREFIX, read_json, run_disk_full, write_json
 from dtrain.common.storage import DiskFull, Store, is_remote
 from dtrain.control.events import Events, Handle, Stop
-from dtrain.control.launch import LaunchResult
+from dtrain.control.launch_result import LaunchResult
 from dtrain.control.program import Job, check_program, run_prefix
 
 SHUTDOWN_GRACE_S = jobenv.STOP_GRACE_S  # SIGTERM, then this long before SIGKILL (the same budget as a built-in's)

@@ -7,17 +7,14 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import time
-from typing import TYPE_CHECKING
 
 from dtrain.common.errors import ExitCode
 from dtrain.control.events import Events, Handle, Stop
+from dtrain.control.launch_result import LaunchResult
 from dtrain.control.slurm.commands import JobState
 from dtrain.control.slurm.joblogs import follow_job
 from dtrain.control.slurm.session import JobRecord, Session
 from dtrain.control.slurm.submit import SubmitResult
-
-if TYPE_CHECKING:
-    from dtrain.control.launch import LaunchResult
 
 
 def attend(
@@ -25,8 +22,6 @@ def attend(
 ) -> LaunchResult:
     """`dtrain train` through Slurm once the job is queued: its output here live until it ends, Ctrl-C stops
     it, its exit code is ours; the job is cancelled if this process goes away (its SSH connection closes)."""
-    from dtrain.control.launch import LaunchResult
-
     verb = "resuming" if sub.resuming else "starting"
     events.emit(
         "launch",
