@@ -91,7 +91,7 @@ def register_all() -> None:
     """One `dtrain submit NAME` per workload. cli/main.py calls it only when `submit` is on the command line,
     as it does train_cmd.register_all for `train`: `dtrain --help` need not read every workload's settings."""
     from dtrain.cli.train_cmd import workload_command
-    from dtrain.control.settings import WORKLOADS
+    from dtrain.control.workloads import WORKLOADS
 
     if any(c.name in WORKLOADS for c in submit_app.registered_commands):
         return

@@ -96,7 +96,8 @@ def workload_command(
 ) -> Callable[..., None]:
     """A command taking the workload's options (its config and [run]), the launch-only options and `extra`
     (name -> (annotation, default)); it calls run(workload, settings flags, every option given)."""
-    from dtrain.control.settings import schema, workload_class
+    from dtrain.control.settings import schema
+    from dtrain.control.workloads import workload_class
 
     cls = workload_class(workload)
     keys = [k for k in schema().values() if k.section in (workload, "run")]
@@ -213,7 +214,7 @@ def run_program(argv: list[str]) -> int:
 def register_all() -> None:
     """One command per workload. cli/main.py calls it only when `train` is on the command line: building
     the options reads every workload's dataclasses, which `dtrain --help` need not pay for."""
-    from dtrain.control.settings import WORKLOADS
+    from dtrain.control.workloads import WORKLOADS
 
     if any(c.name in WORKLOADS for c in app.registered_commands):
         return

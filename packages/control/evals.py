@@ -136,7 +136,7 @@ def plan_eval(req: EvalRequest) -> EvalPlan:
     target = resolve(req)
     if req.queue:
         need_slurm(target)
-    from dtrain.control.settings import WORKLOADS
+    from dtrain.control.workloads import WORKLOADS
 
     evaluable = [name for name, b in WORKLOADS.items() if b.evaluate]
     if target.workload not in evaluable:
@@ -305,7 +305,7 @@ def export(req: ExportRequest, *, events: Events, handle: Handle) -> dict[str, A
 
 def _exporter(target: Target) -> str:
     """The module that exports `target`'s workload (its registry entry's `export`); one line if it has none."""
-    from dtrain.control.settings import WORKLOADS as table
+    from dtrain.control.workloads import WORKLOADS as table
 
     b = table.get(target.workload)
     if b is not None and b.export:

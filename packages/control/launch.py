@@ -91,7 +91,7 @@ def builtin_plan(req: LaunchRequest, r: Resolved) -> Any:
     from dtrain.control import launchers
     from dtrain.control.program import MODULE, Job, Program
     from dtrain.control.remote import node_paths
-    from dtrain.control.settings import builtin
+    from dtrain.control.workloads import builtin
 
     target, args = builtin_target(req.workload, r)
     job = Job(

@@ -93,7 +93,7 @@ class NodeInfo:
 def workload_packages() -> list[str]:
     """dtrain's node-side packages: common (the agent, torchrun's wrapper, checkpoints), sdk (for users'
     programs), evaluate (runs draw their curves; `dtrain eval --cluster`) and each built-in's own package."""
-    from dtrain.control.settings import builtin_packages
+    from dtrain.control.workloads import builtin_packages
 
     return ["common", "sdk", *builtin_packages(), "evaluate"]
 

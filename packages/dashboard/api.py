@@ -196,8 +196,9 @@ def submit_job(request: Request, body: JobBody) -> dict[str, Any]:
     """Checked and queued at once; the answer has the job id and where its run goes."""
     from dtrain.control.events import Events, Handle
     from dtrain.control.launch import LaunchRequest
-    from dtrain.control.settings import schema, workload_class
+    from dtrain.control.settings import schema
     from dtrain.control.slurm.submit import submit
+    from dtrain.control.workloads import workload_class
 
     dash = _dash(request)
     workload_class(body.workload)  # an unknown one is settings' own one-line error
