@@ -177,6 +177,16 @@ def test_the_stop_grace_has_one_home() -> None:
     from dtrain.common import jobenv, nodeagent
 
     assert nodeagent.DEFAULT_GRACE_S == jobenv.STOP_GRACE_S
+    # and no module gives it a second name of its own (`SHUTDOWN_GRACE_S = jobenv.STOP_GRACE_S`, as three did)
+    copies = []
+    for path in (REPO / "packages").rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and ast.unparse(node.value or ast.Constant(None)) in (
+                "STOP_GRACE_S",
+                "jobenv.STOP_GRACE_S",
+            ):
+                copies.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    assert copies == [], copies
     literal = re.compile(r"\b45\.0\b")  # the grace as a float literal
     for path in [*(REPO / "packages" / "control").rglob("*.py"), REPO / "packages" / "common" / "slurmstep.py"]:
         for n, line in enumerate(path.read_text().splitlines(), 1):

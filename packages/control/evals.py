@@ -37,7 +37,7 @@ from dtrain.control.events import Event, Events, Handle, Stop
 from dtrain.evaluate import records
 
 MODULE = "dtrain.evaluate"
-SHUTDOWN_GRACE_S = 10.0  # an evaluation has nothing to save: after SIGINT/SIGTERM it gets this long
+EVAL_STOP_GRACE_S = 10.0  # an evaluation has nothing to save: after SIGINT/SIGTERM it gets this long
 POLL_S = 0.2
 
 
@@ -388,7 +388,7 @@ def _run_here(argv: list[str], lines: _Lines, handle: Handle) -> int:
         while not done or proc.poll() is None:
             for stop in handle.take():
                 sig = {Stop.KILL: signal.SIGKILL, Stop.INTERRUPT: signal.SIGINT}.get(stop, signal.SIGTERM)
-                deadline = min(deadline, time.monotonic() + SHUTDOWN_GRACE_S)
+                deadline = min(deadline, time.monotonic() + EVAL_STOP_GRACE_S)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, sig)
             if time.monotonic() > deadline:

@@ -39,7 +39,6 @@ from dtrain.control.local import processes
 from dtrain.control.remote import (
     FORWARD_ENV,
     JOB_ENDED,
-    SHUTDOWN_GRACE_S,
     Job,
     LogFiles,
     NodeError,
@@ -389,4 +388,4 @@ def container_spec(
                              gpus=gpus > 0, run_url=run_url, mounts=mounts)  # fmt: skip
 
 
-__all__ = ["launch_program_cluster", "program_spec", "project_key", "SHUTDOWN_GRACE_S"]
+__all__ = ["launch_program_cluster", "program_spec", "project_key"]
