@@ -416,7 +416,7 @@ def _run_on_master(target: Target, argv: list[str], label: str, lines: _Lines, e
     """One process on the cluster's master through its node agent, the code synced there as for training
     (into <workdir>/runs/<label>/code). Not torchrun: one process needs no rendezvous, and the
     rendezvous port may be taken by a training job running there now."""
-    from dtrain.control.remote import Job, code_archive, job_spec, node_infos, sync_code
+    from dtrain.control.remote import NodeAgents, code_archive, job_spec, node_infos, sync_code
     from dtrain.control.ssh import SSH
 
     cluster = dataclasses.replace(target.cluster, nodes=(target.cluster.master,))
@@ -438,4 +438,4 @@ def _run_on_master(target: Target, argv: list[str], label: str, lines: _Lines, e
             else:
                 events.emit(ev.kind, ev.message, **ev.data)
 
-        return Job(ssh, cluster, label, {master.name: spec}, None, events=Events(relay), handle=handle).run()
+        return NodeAgents(ssh, cluster, label, {master.name: spec}, None, events=Events(relay), handle=handle).run()

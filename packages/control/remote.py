@@ -11,7 +11,7 @@ one-line error that names the node:
    (`--rdzv-conf is_host=1` there), `--local-addr` set to the node's cluster address and the run id
    as the rendezvous id; the job's environment travels over SSH's stdin, never on a command line;
 6. report every node's output as events (the CLI prints them prefixed with the node's name) and write
-   them to `logs/<node>.log` under the run; rank 0's progress comes as events too (`Job`);
+   them to `logs/<node>.log` under the run; rank 0's progress comes as events too (`NodeAgents`);
 7. the caller's Handle: INTERRUPT sends INT to every node's job, KILL 5 s later; KILL at once;
    TERMINATE sends TERM (the ranks checkpoint and exit PREEMPTED). A node whose job
    fails (or whose SSH connection dies) fails the job: the others get KILL after a short grace, so
@@ -491,7 +491,7 @@ def logs_cache_dir(run_id: str) -> Path:
     return Path(base) / "dtrain" / "logs" / run_id
 
 
-class Job:
+class NodeAgents:
     """The agents of one job, one per node: their output, stop requests and exit codes."""
 
     def __init__(
@@ -742,4 +742,4 @@ class Job:
         self.events.emit("output", line, node=name)
 
 
-__all__ = ["code_archive", "check_port", "node_infos", "sync_code", "Job"]
+__all__ = ["code_archive", "check_port", "node_infos", "sync_code", "NodeAgents"]

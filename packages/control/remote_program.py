@@ -39,7 +39,6 @@ from dtrain.control.local import processes
 from dtrain.control.remote import (
     FORWARD_ENV,
     JOB_ENDED,
-    Job,
     LogFiles,
     NodeError,
     check_docker,
@@ -50,6 +49,9 @@ from dtrain.control.remote import (
     pull_image,
     run_dir,
     sync_code,
+)
+from dtrain.control.remote import (
+    NodeAgents as Job,  # the agents of one job over SSH (Job is program.Job's name elsewhere)
 )
 from dtrain.control.ssh import SSH
 from dtrain.control.userjob import (
