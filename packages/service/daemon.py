@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from dtrain.control.events import Events, Handle
 from dtrain.control.slurm.commands import expand_hostlist
 from dtrain.service import logic
-from dtrain.service.logic import Action, Job, Note, Seen, State, Vm
+from dtrain.service.logic import Action, Note, QueuedJob, Seen, State, Vm
 
 POLL_S = 10.0
 COMMAND_TIMEOUT_S = 30.0
@@ -179,7 +179,7 @@ class Service:
         jobs = self._jobs(time.time() if now is None else now)
         return Seen(vms=vms, vm_error=error, jobs=jobs, slurm_up=self._slurm_up(), sessions=self._sessions())
 
-    def _jobs(self, now: float) -> tuple[Job, ...] | None:
+    def _jobs(self, now: float) -> tuple[QueuedJob, ...] | None:
         p = self.shell(SQUEUE)
         if p.returncode != 0:
             return None
@@ -190,7 +190,7 @@ class Service:
                 nodes = tuple(expand_hostlist(parts[3])) if parts[3] and parts[3] != "(null)" else ()
                 elapsed = parts[4] if len(parts) == 5 else ""
                 stalled = parts[1] == "RUNNING" and self._stalled(parts[0], elapsed, now)
-                jobs.append(Job(parts[0], parts[1], parts[2], nodes, stalled=stalled))
+                jobs.append(QueuedJob(parts[0], parts[1], parts[2], nodes, stalled=stalled))
         return tuple(jobs)
 
     def _stalled(self, job: str, elapsed: str, now: float) -> bool:

@@ -58,7 +58,7 @@ class Vm:
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
+class QueuedJob:
     """One job in Slurm's queue (squeue)."""
 
     job_id: str
@@ -81,7 +81,7 @@ class Seen:
 
     vms: dict[str, Vm] | None
     vm_error: str = ""
-    jobs: tuple[Job, ...] | None = None
+    jobs: tuple[QueuedJob, ...] | None = None
     slurm_up: frozenset[str] | None = None  # nodes whose slurmd answers (sinfo: not down, not "*")
     sessions: int | None = None  # interactive login sessions on the master
 
