@@ -61,7 +61,7 @@ QUICK_STEPS, QUICK_WARMUP = 6, 2
 # dtrain evaluates before step 1 and after the last step, outside the timed steps; a cap keeps that
 # from dominating the wall time on a large corpus.
 OURS_EVAL_BATCHES = 4
-SHUTDOWN_GRACE_S = 60.0  # after Ctrl-C, how long a pipeline may take to stop before it is killed
+PIPELINE_STOP_GRACE_S = 60.0  # after Ctrl-C, how long a pipeline may take to stop before it is killed
 # Settings a benchmark must not inherit from the caller's shell; where caches are may pass.
 KEEP_ENV = {"DTRAIN_CACHE_DIR", "DTRAIN_OFFLINE"}
 FLOPS_FORMULA = (
@@ -122,7 +122,7 @@ def launch(cmd: list[str], name: str, **kw: Any) -> Launched:
         _, status, usage = os.wait4(proc.pid, 0)
     except BaseException:  # Ctrl-C reached the child too: let it stop its own children first
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=SHUTDOWN_GRACE_S)
+            proc.wait(timeout=PIPELINE_STOP_GRACE_S)
         proc.kill()
         proc.wait()
         raise

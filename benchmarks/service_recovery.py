@@ -47,7 +47,7 @@ PROJECT, ZONE = "dtrain-bench", "us-central1-a"
 def one_round(sb: SlurmBed, output: Path, poll_s: float, state_dir: Path) -> dict[str, float]:
     from google.auth.credentials import AnonymousCredentials
 
-    from dtrain.control.gcp.api import Gcp
+    from dtrain.control.gcp.client import Gcp
     from dtrain.control.settings import load_cluster
     from dtrain.service.daemon import Service, ServiceConfig, SshShell
 

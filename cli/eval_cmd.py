@@ -79,7 +79,7 @@ def _view(workload: str) -> Any:
     import importlib
 
     from dtrain.cli import eval_views
-    from dtrain.control.settings import WORKLOADS
+    from dtrain.control.workloads import WORKLOADS
 
     ref = WORKLOADS[workload].eval_view if workload in WORKLOADS else ""
     if not ref:

@@ -1,5 +1,5 @@
 """How `dtrain eval` shows an evaluation in the terminal: a headline and details (rich renderables), from the
-record dtrain.evaluate wrote. A built-in names its view in its registry entry (settings.Builtin.eval_view);
+record dtrain.evaluate wrote. A built-in names its view in its registry entry (workloads.Builtin.eval_view);
 one without a view gets `figures`, a table of whatever its evaluator returned."""
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ def _cluster(name: str | None) -> Any:
 def _submit(workload: str, flags: dict[str, Any], given: dict[str, Any]) -> None:
     from dtrain.control.events import Events
     from dtrain.control.launch import LaunchRequest
-    from dtrain.control.slurm.jobs import submit
     from dtrain.control.slurm.spec import check_time
+    from dtrain.control.slurm.submit import submit
 
     request = LaunchRequest(
         workload=workload,
@@ -91,7 +91,7 @@ def register_all() -> None:
     """One `dtrain submit NAME` per workload. cli/main.py calls it only when `submit` is on the command line,
     as it does train_cmd.register_all for `train`: `dtrain --help` need not read every workload's settings."""
     from dtrain.cli.train_cmd import workload_command
-    from dtrain.control.settings import WORKLOADS
+    from dtrain.control.workloads import WORKLOADS
 
     if any(c.name in WORKLOADS for c in submit_app.registered_commands):
         return
@@ -128,7 +128,7 @@ def jobs(
     accept_new_host_keys: o.AcceptNewHostKeys = False,
 ) -> None:
     """The jobs dtrain submitted to a Slurm cluster: queued and running ones, and those of the last day."""
-    from dtrain.control.slurm.jobs import list_jobs
+    from dtrain.control.slurm.joblist import list_jobs
 
     c = _cluster(cluster)
     rows = [r.as_dict() for r in list_jobs(c, all_jobs=all_jobs, accept_new_host_keys=accept_new_host_keys)]
@@ -255,7 +255,7 @@ def _metric(m: dict[str, Any]) -> str:
 
 def cancel(job: Job, cluster: o.Cluster = None, accept_new_host_keys: o.AcceptNewHostKeys = False) -> None:
     """Cancel a job: its ranks get SIGTERM, save a checkpoint and stop; the run and its checkpoints are kept."""
-    from dtrain.control.slurm.jobs import cancel as cancel_job
+    from dtrain.control.slurm.cancel import cancel as cancel_job
 
     c = _cluster(cluster)
     with console.operation() as (events, handle):
@@ -273,7 +273,7 @@ def cancel(job: Job, cluster: o.Cluster = None, accept_new_host_keys: o.AcceptNe
 
 def logs(job: str, cluster: str | None, follow: bool) -> None:
     """A job's logs: every node's lines, prefixed with its name; with `follow`, live until the job ends."""
-    from dtrain.control.slurm import jobs as control
+    from dtrain.control.slurm import joblogs as control
 
     c = _cluster(cluster)
     if not follow:

@@ -96,7 +96,8 @@ def workload_command(
 ) -> Callable[..., None]:
     """A command taking the workload's options (its config and [run]), the launch-only options and `extra`
     (name -> (annotation, default)); it calls run(workload, settings flags, every option given)."""
-    from dtrain.control.settings import schema, workload_class
+    from dtrain.control.settings import schema
+    from dtrain.control.workloads import workload_class
 
     cls = workload_class(workload)
     keys = [k for k in schema().values() if k.section in (workload, "run")]
@@ -151,8 +152,9 @@ def launch(
     time: str = "",
 ) -> int:
     """Run `workload` where the settings say; report where the run went; return the job's exit code."""
-    from dtrain.control.launch import LaunchRequest, next_step
+    from dtrain.control.launch import LaunchRequest
     from dtrain.control.launch import launch as control_launch
+    from dtrain.control.launch_result import next_step
     from dtrain.control.slurm.spec import check_time
 
     request = LaunchRequest(
@@ -190,7 +192,7 @@ def program(ctx: typer.Context) -> None:
 def run_program(argv: list[str]) -> int:
     """`dtrain train` of a user's program: parse its line, resolve a job table, run it, report."""
     from dtrain.control.jobs_file import program_request
-    from dtrain.control.launch import next_step
+    from dtrain.control.launch_result import next_step
     from dtrain.control.userjob import launch_program
 
     if argv and argv[0] in ("-h", "--help"):
@@ -212,7 +214,7 @@ def run_program(argv: list[str]) -> int:
 def register_all() -> None:
     """One command per workload. cli/main.py calls it only when `train` is on the command line: building
     the options reads every workload's dataclasses, which `dtrain --help` need not pay for."""
-    from dtrain.control.settings import WORKLOADS
+    from dtrain.control.workloads import WORKLOADS
 
     if any(c.name in WORKLOADS for c in app.registered_commands):
         return

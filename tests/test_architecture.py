@@ -8,7 +8,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-from dtrain.control.settings import builtin_packages
+from dtrain.control.workloads import builtin_packages
 
 REPO = Path(__file__).resolve().parents[1]
 # What runs under torchrun: the built-ins' packages (the registry's, so a new one is checked too) and theirs.

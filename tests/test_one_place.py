@@ -1,4 +1,4 @@
-"""A new built-in example is its package under packages/ and one entry in the registry (settings.WORKLOADS):
+"""A new built-in example is its package under packages/ and one entry in the registry (workloads.WORKLOADS):
 the wheel (setup.py finds the packages), the training images (the Dockerfiles copy packages/ as .dockerignore
 lets it in) and the build context an installed dtrain assembles (assets.image_packages) all follow from
 those two. docs/architecture.md, "Where to add things"; the launch path's side is
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from dtrain.control.assets import image_packages
 from dtrain.control.images import context_files
-from dtrain.control.settings import WORKLOADS, builtin_packages
+from dtrain.control.workloads import WORKLOADS, builtin_packages
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -107,12 +107,12 @@ def add_toy(src: Path) -> None:
         "    width: int = opt(8, 'hidden width of the toy')\n"
     )
     (toy / "train.py").write_text('print("toy trains")\n')
-    settings = src / "packages" / "control" / "settings.py"
-    text = settings.read_text()
+    workloads = src / "packages" / "control" / "workloads.py"
+    text = workloads.read_text()
     registry = "WORKLOADS: dict[str, Builtin] = {\n"
     assert text.count(registry) == 1
     entry = '    "toy": Builtin("dtrain.toy.config:ToyConfig", "dtrain.toy.train"),\n'
-    settings.write_text(text.replace(registry, registry + entry))
+    workloads.write_text(text.replace(registry, registry + entry))
 
 
 def test_a_third_builtin_is_its_package_and_one_registry_entry(tmp_path: Path):
@@ -177,6 +177,16 @@ def test_the_stop_grace_has_one_home() -> None:
     from dtrain.common import jobenv, nodeagent
 
     assert nodeagent.DEFAULT_GRACE_S == jobenv.STOP_GRACE_S
+    # and no module gives it a second name of its own (`SHUTDOWN_GRACE_S = jobenv.STOP_GRACE_S`, as three did)
+    copies = []
+    for path in (REPO / "packages").rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and ast.unparse(node.value or ast.Constant(None)) in (
+                "STOP_GRACE_S",
+                "jobenv.STOP_GRACE_S",
+            ):
+                copies.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    assert copies == [], copies
     literal = re.compile(r"\b45\.0\b")  # the grace as a float literal
     for path in [*(REPO / "packages" / "control").rglob("*.py"), REPO / "packages" / "common" / "slurmstep.py"]:
         for n, line in enumerate(path.read_text().splitlines(), 1):

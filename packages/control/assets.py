@@ -24,9 +24,9 @@ BUILD_FILES = ("Dockerfile.train", "Dockerfile.train.gpu", ".dockerignore", "doc
 
 def image_packages() -> dict[str, str]:
     """The packages the training images hold, by their path in the build context: dtrain.common and each
-    built-in's own (the registry, settings.WORKLOADS). The Dockerfiles copy packages/ as a whole and
+    built-in's own (the registry, workloads.WORKLOADS). The Dockerfiles copy packages/ as a whole and
     .dockerignore keeps dtrain's CLI-side packages out, so a checkout's context holds the same ones."""
-    from dtrain.control.settings import builtin_packages  # here: `dtrain up` reads infra_dir without it
+    from dtrain.control.workloads import builtin_packages  # here: `dtrain up` reads infra_dir without it
 
     return {f"packages/{name}": f"dtrain.{name}" for name in ["common", *builtin_packages()]}
 

@@ -37,7 +37,7 @@ from dtrain.control.events import Event, Events, Handle, Stop
 from dtrain.evaluate import records
 
 MODULE = "dtrain.evaluate"
-SHUTDOWN_GRACE_S = 10.0  # an evaluation has nothing to save: after SIGINT/SIGTERM it gets this long
+EVAL_STOP_GRACE_S = 10.0  # an evaluation has nothing to save: after SIGINT/SIGTERM it gets this long
 POLL_S = 0.2
 
 
@@ -70,7 +70,7 @@ class ExportRequest(RunRequest):
 
 
 @dataclasses.dataclass(frozen=True)
-class Target:
+class EvalTarget:
     """Where a run lives and where its evaluation runs."""
 
     run: Store
@@ -86,11 +86,11 @@ class Target:
 @dataclasses.dataclass(frozen=True)
 class EvalPlan:
     eval_id: str
-    target: Target
+    target: EvalTarget
     argv: list[str]  # the module's arguments
 
 
-def resolve(req: RunRequest) -> Target:
+def resolve(req: RunRequest) -> EvalTarget:
     """The run the request names and the cluster to work on: the one place that turns the CLI's or the
     dashboard's words into a run directory."""
     from dtrain.control import backends
@@ -102,7 +102,7 @@ def resolve(req: RunRequest) -> Target:
     run = locate(out, req.run)
     saved = records.run_config(run)
     if not launchers.over_ssh(where):
-        return Target(run, saved, None)
+        return EvalTarget(run, saved, None)
     if where.image:
         raise UserError(
             f"cluster {where.name!r} runs jobs in image {where.image}; an evaluation runs in synced mode (the node's "
@@ -113,10 +113,10 @@ def resolve(req: RunRequest) -> Target:
             f"run {run.url} is on this machine, out of reach of cluster {where.name!r}: evaluate it here (leave out "
             f"--cluster), or keep runs in a gs:// bucket (or set shared_fs = true in [clusters.{where.name}])"
         )
-    return Target(run, saved, where, req.accept_new_host_keys)
+    return EvalTarget(run, saved, where, req.accept_new_host_keys)
 
 
-def _common_argv(target: Target, req: RunRequest) -> list[str]:
+def _common_argv(target: EvalTarget, req: RunRequest) -> list[str]:
     checkpoint = req.checkpoint
     if checkpoint is not None:
         if checkpoint < 0:
@@ -136,7 +136,7 @@ def plan_eval(req: EvalRequest) -> EvalPlan:
     target = resolve(req)
     if req.queue:
         need_slurm(target)
-    from dtrain.control.settings import WORKLOADS
+    from dtrain.control.workloads import WORKLOADS
 
     evaluable = [name for name, b in WORKLOADS.items() if b.evaluate]
     if target.workload not in evaluable:
@@ -203,7 +203,7 @@ def evaluate(req: EvalRequest, *, events: Events, handle: Handle) -> dict[str, A
     return run_eval(plan, events=events, handle=handle)
 
 
-def need_slurm(target: Target) -> None:
+def need_slurm(target: EvalTarget) -> None:
     """--queue: the evaluation becomes a job in the cluster's Slurm queue, so there must be one."""
     if target.cluster is None:
         raise UserError("--queue queues the evaluation as a Slurm job on a cluster: name it with --cluster NAME")
@@ -230,7 +230,7 @@ def submit_eval(plan: EvalPlan, *, events: Events) -> QueuedEval:
     return at once with the job id: the job runs the same `python -m dtrain.evaluate eval ...` line as
     run_eval does on the master, so it writes the same record. The job's files are in
     <workdir>/runs/<eval id> on the nodes; `dtrain jobs` shows it as eval:<workload> of the run."""
-    from dtrain.control.slurm.jobs import submit_module
+    from dtrain.control.slurm.submit import submit_module
 
     target = plan.target
     need_slurm(target)
@@ -303,9 +303,9 @@ def export(req: ExportRequest, *, events: Events, handle: Handle) -> dict[str, A
     return check
 
 
-def _exporter(target: Target) -> str:
+def _exporter(target: EvalTarget) -> str:
     """The module that exports `target`'s workload (its registry entry's `export`); one line if it has none."""
-    from dtrain.control.settings import WORKLOADS as table
+    from dtrain.control.workloads import WORKLOADS as table
 
     b = table.get(target.workload)
     if b is not None and b.export:
@@ -342,7 +342,7 @@ class _Lines:
             self.events.info(line)
 
 
-def run_module(target: Target, argv: list[str], *, label: str, events: Events, handle: Handle) -> tuple[int, str]:
+def run_module(target: EvalTarget, argv: list[str], *, label: str, events: Events, handle: Handle) -> tuple[int, str]:
     """`python -m dtrain.evaluate ARGV` here or on the cluster's master; returns (exit code, error line)."""
     lines = _Lines(events)
     if target.cluster is None:
@@ -352,7 +352,7 @@ def run_module(target: Target, argv: list[str], *, label: str, events: Events, h
     return code, lines.error
 
 
-def need_torch_here(target: Target) -> None:
+def need_torch_here(target: EvalTarget) -> None:
     """An evaluation or export on this machine runs torch here: say what to install before anything starts."""
     if target.cluster is None and importlib.util.find_spec("torch") is None:
         raise UserError(
@@ -388,7 +388,7 @@ def _run_here(argv: list[str], lines: _Lines, handle: Handle) -> int:
         while not done or proc.poll() is None:
             for stop in handle.take():
                 sig = {Stop.KILL: signal.SIGKILL, Stop.INTERRUPT: signal.SIGINT}.get(stop, signal.SIGTERM)
-                deadline = min(deadline, time.monotonic() + SHUTDOWN_GRACE_S)
+                deadline = min(deadline, time.monotonic() + EVAL_STOP_GRACE_S)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, sig)
             if time.monotonic() > deadline:
@@ -412,11 +412,13 @@ def _run_here(argv: list[str], lines: _Lines, handle: Handle) -> int:
     return code
 
 
-def _run_on_master(target: Target, argv: list[str], label: str, lines: _Lines, events: Events, handle: Handle) -> int:
+def _run_on_master(
+    target: EvalTarget, argv: list[str], label: str, lines: _Lines, events: Events, handle: Handle
+) -> int:
     """One process on the cluster's master through its node agent, the code synced there as for training
     (into <workdir>/runs/<label>/code). Not torchrun: one process needs no rendezvous, and the
     rendezvous port may be taken by a training job running there now."""
-    from dtrain.control.remote import Job, code_archive, job_spec, node_infos, sync_code
+    from dtrain.control.remote import NodeAgents, code_archive, job_spec, node_infos, sync_code
     from dtrain.control.ssh import SSH
 
     cluster = dataclasses.replace(target.cluster, nodes=(target.cluster.master,))
@@ -438,4 +440,4 @@ def _run_on_master(target: Target, argv: list[str], label: str, lines: _Lines, e
             else:
                 events.emit(ev.kind, ev.message, **ev.data)
 
-        return Job(ssh, cluster, label, {master.name: spec}, None, events=Events(relay), handle=handle).run()
+        return NodeAgents(ssh, cluster, label, {master.name: spec}, None, events=Events(relay), handle=handle).run()

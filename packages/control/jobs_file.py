@@ -52,7 +52,8 @@ def resolve_job(
     """(the job, settings flags for load_settings, launch-only options) for `dtrain train ARGV`, or with
     `submit` for `dtrain submit ARGV` (its own options, program.SUBMIT_OPTIONS, among the launch options)."""
     from dtrain.control.program import SUBMIT_OPTIONS, Parsed, Program
-    from dtrain.control.settings import WORKLOADS, load_settings
+    from dtrain.control.settings import load_settings
+    from dtrain.control.workloads import WORKLOADS
 
     extra = SUBMIT_OPTIONS if submit else []
     parsed: Parsed = parse_command_line(argv, extra)

@@ -15,10 +15,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dtrain.common.config import DEFAULT_OUTPUT
-from dtrain.common.errors import ExitCode, UserError
-from dtrain.common.storage import is_remote
+from dtrain.common.errors import UserError
 from dtrain.control.events import Events, Handle
+from dtrain.control.launch_result import LaunchResult
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,19 +31,6 @@ class LaunchRequest:
     tty: bool = False  # the job's output goes to a terminal: rank 0 draws a live progress bar
     debug: bool = False  # keep torchrun's own logs
     time: str = ""  # a Slurm job's --time ("": the cluster table's); Slurm clusters only
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchResult:
-    workload: str
-    run_id: str
-    url: str  # the run's directory or gs:// URL
-    exit_code: int
-    cluster: str  # "" for this machine
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == ExitCode.OK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +91,7 @@ def builtin_plan(req: LaunchRequest, r: Resolved) -> Any:
     from dtrain.control import launchers
     from dtrain.control.program import MODULE, Job, Program
     from dtrain.control.remote import node_paths
-    from dtrain.control.settings import builtin
+    from dtrain.control.workloads import builtin
 
     target, args = builtin_target(req.workload, r)
     job = Job(
@@ -145,45 +131,3 @@ def builtin_target(workload: str, r: Resolved) -> tuple[Any, dict[str, Any]]:
         return target, {**explicit, "output": r.output, "resume": run.url, "run_dir": run.url}
     run_id, run = run_location(workload, r.output, explicit.get("run_id") or "")
     return Target(run_id, run, 0, False), {**explicit, "output": r.output, "run_id": run_id, "run_dir": run.url}
-
-
-def resume_ref(result: LaunchResult) -> str:
-    """What `--resume` takes to find this run again from the folder the command ran in: its id where it sits
-    under the default output (./runs), else its location (relative to that folder where it is below it, else
-    absolute, or its gs:// URL). An id alone is looked for under the default output only, so a run given
-    `--output` must be named by its place."""
-    url, run_id = result.url, result.run_id
-    if is_remote(url):
-        return url
-    here, path = Path.cwd().resolve(), Path(url).resolve()
-    if path == here / DEFAULT_OUTPUT / run_id:
-        return run_id
-    return f"./{path.relative_to(here)}" if path.is_relative_to(here) else str(path)
-
-
-def next_step(result: LaunchResult, program: bool = False) -> str:
-    """What to tell the user after the job ended: where the run is, or how to continue it (a line that works
-    as printed, from the folder it was printed in)."""
-    w, r = result.workload, result.run_id
-    if not r:  # no run was made (--show-example): none to point at
-        return "" if result.exit_code in (ExitCode.OK, ExitCode.USAGE) else f"{w} failed (exit {result.exit_code})"
-    if result.exit_code == ExitCode.USAGE:
-        return ""
-    resume = (
-        f"dtrain train --resume {resume_ref(result)}" if program else f"dtrain train {w} --resume {resume_ref(result)}"
-    )
-    if program:  # a user's program
-        if result.exit_code == ExitCode.OK:
-            return f"run {r} completed: {result.url}"
-        how = {ExitCode.PREEMPTED: "stopped", ExitCode.INTERRUPTED: "interrupted"}.get(result.exit_code, "failed")
-        return f"run {r} {how} (exit {result.exit_code}): `{resume}` continues it from its checkpoint directory"
-    if result.exit_code == ExitCode.OK:
-        # its checkpoints: checkpoints/ where they were written in place, ckpt/ where they were copied there
-        return f"run {r} completed: {result.url} (config.json, metrics.jsonl, its checkpoints, final/)"
-    if result.exit_code == ExitCode.PREEMPTED:
-        return f"run {r} stopped after a checkpoint: resume with `{resume}`"
-    if result.exit_code == ExitCode.INTERRUPTED:
-        return f"run {r} interrupted: `{resume}` continues from its last checkpoint"
-    return (
-        f"run {r} failed (exit {result.exit_code}); logs above. `{resume}` continues from its last complete checkpoint"
-    )

@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 
-from dtrain.common import jobenv
 from dtrain.common.nproc import MAX_PROCS_PER_CORE, auto_nproc, processes  # noqa: F401  # their home: common
 
 # torchrun's restarts (--max-restarts) with a fresh rendezvous store each time. By default (torch >= 2.4) the
@@ -22,7 +21,6 @@ from dtrain.common.nproc import MAX_PROCS_PER_CORE, auto_nproc, processes  # noq
 # (2 of 4 restarts of the torchrun script in tests/control/test_local_hangs.py). With this, rank 0 hosts a new
 # store for every start.
 RESTARTABLE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-SHUTDOWN_GRACE_S = jobenv.STOP_GRACE_S  # SIGTERM, then this long before SIGKILL
 POLL_S = 0.2
 
 

@@ -291,7 +291,7 @@ def _allreduce(
         )
         for n in c.nodes
     }
-    job = remote.Job(ssh, c, run_id, specs, None, events=events, handle=handle, echo=False)
+    job = remote.NodeAgents(ssh, c, run_id, specs, None, events=events, handle=handle, echo=False)
     code = job.run()
     for _node, line in job.output:
         if line.startswith(RESULT_PREFIX):

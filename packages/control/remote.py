@@ -11,7 +11,7 @@ one-line error that names the node:
    (`--rdzv-conf is_host=1` there), `--local-addr` set to the node's cluster address and the run id
    as the rendezvous id; the job's environment travels over SSH's stdin, never on a command line;
 6. report every node's output as events (the CLI prints them prefixed with the node's name) and write
-   them to `logs/<node>.log` under the run; rank 0's progress comes as events too (`Job`);
+   them to `logs/<node>.log` under the run; rank 0's progress comes as events too (`NodeAgents`);
 7. the caller's Handle: INTERRUPT sends INT to every node's job, KILL 5 s later; KILL at once;
    TERMINATE sends TERM (the ranks checkpoint and exit PREEMPTED). A node whose job
    fails (or whose SSH connection dies) fails the job: the others get KILL after a short grace, so
@@ -58,7 +58,6 @@ INT_GRACE_S = 5.0  # Ctrl-C: the job's processes get this long to exit before th
 FAIL_FAST_GRACE_S = 15.0  # a node failed: the others get this long to notice before they are killed
 HANG_GRACE_S = 5.0  # a node reported a hang: the others get SIGTERM, and SIGKILL this much later
 SILENT_FLOOR_S = 30.0  # an agent that printed nothing (not even its "alive" line) this long, at least: hung
-SHUTDOWN_GRACE_S = jobenv.STOP_GRACE_S  # SIGTERM: workers checkpoint and exit PREEMPTED
 PORT_CHECK_TIMEOUT_S = 5.0
 LOG_SYNC_S = 2.0  # a node's lines reach the run's logs/ at least this often (and at the end)
 JOB_ENDED = "dtrain: job ended"  # the last line of each node's log for one launch of the job
@@ -93,7 +92,7 @@ class NodeInfo:
 def workload_packages() -> list[str]:
     """dtrain's node-side packages: common (the agent, torchrun's wrapper, checkpoints), sdk (for users'
     programs), evaluate (runs draw their curves; `dtrain eval --cluster`) and each built-in's own package."""
-    from dtrain.control.settings import builtin_packages
+    from dtrain.control.workloads import builtin_packages
 
     return ["common", "sdk", *builtin_packages(), "evaluate"]
 
@@ -372,7 +371,7 @@ def job_spec(
         *argv,
     ]  # fmt: skip
     # Without an `interface`, the agent finds the one that holds the node's address (nodeagent.socket_interface).
-    common = {"env": env, "grace_s": SHUTDOWN_GRACE_S, "ifname_for": node.address, "hang": hang_spec(hang_timeout)}
+    common = {"env": env, "grace_s": jobenv.STOP_GRACE_S, "ifname_for": node.address, "hang": hang_spec(hang_timeout)}
     if not cluster.image:
         return {"argv": [node.python, "-m", "dtrain.common.launch", *torchrun], **common}
     named = dict(paths or {})
@@ -382,7 +381,7 @@ def job_spec(
     # An agent inside the container runs torchrun, as it does a user's program there (nodeagent.program_container):
     # it sees the ranks' processes and heartbeats, so a hang is found and its stacks dumped in the image too. Its
     # spec travels by name, like the job's environment.
-    inner = {"argv": ["python3", "-m", "dtrain.common.launch", *torchrun], "env": {}, "grace_s": SHUTDOWN_GRACE_S,
+    inner = {"argv": ["python3", "-m", "dtrain.common.launch", *torchrun], "env": {}, "grace_s": jobenv.STOP_GRACE_S,
              "hang": common["hang"]}  # fmt: skip
     container = {
         "image": cluster.image,
@@ -492,7 +491,7 @@ def logs_cache_dir(run_id: str) -> Path:
     return Path(base) / "dtrain" / "logs" / run_id
 
 
-class Job:
+class NodeAgents:
     """The agents of one job, one per node: their output, stop requests and exit codes."""
 
     def __init__(
@@ -614,7 +613,7 @@ class Job:
                 self.terminated = True
                 self._say("SIGTERM: the job checkpoints and stops on every node")
                 self._send("TERM")
-                self._kill_at = min(self._kill_at, now + SHUTDOWN_GRACE_S)
+                self._kill_at = min(self._kill_at, now + jobenv.STOP_GRACE_S)
 
     def _code(self) -> int:
         if self.interrupted:
@@ -743,4 +742,4 @@ class Job:
         self.events.emit("output", line, node=name)
 
 
-__all__ = ["code_archive", "check_port", "node_infos", "sync_code", "Job"]
+__all__ = ["code_archive", "check_port", "node_infos", "sync_code", "NodeAgents"]

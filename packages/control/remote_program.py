@@ -39,8 +39,6 @@ from dtrain.control.local import processes
 from dtrain.control.remote import (
     FORWARD_ENV,
     JOB_ENDED,
-    SHUTDOWN_GRACE_S,
-    Job,
     LogFiles,
     NodeError,
     check_docker,
@@ -51,6 +49,9 @@ from dtrain.control.remote import (
     pull_image,
     run_dir,
     sync_code,
+)
+from dtrain.control.remote import (
+    NodeAgents as Job,  # the agents of one job over SSH (Job is program.Job's name elsewhere)
 )
 from dtrain.control.ssh import SSH
 from dtrain.control.userjob import (
@@ -389,4 +390,4 @@ def container_spec(
                              gpus=gpus > 0, run_url=run_url, mounts=mounts)  # fmt: skip
 
 
-__all__ = ["launch_program_cluster", "program_spec", "project_key", "SHUTDOWN_GRACE_S"]
+__all__ = ["launch_program_cluster", "program_spec", "project_key"]

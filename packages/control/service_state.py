@@ -17,7 +17,7 @@ def service_state(cluster: Cluster, *, accept_new_host_keys: bool = False) -> di
     the cluster has no service (no Slurm, or nothing written yet). Best effort: None on any failure."""
     if cluster.slurm is None:
         return None
-    from dtrain.control.slurm.jobs import Session
+    from dtrain.control.slurm.session import Session
 
     try:
         with Session(cluster, accept_new_host_keys=accept_new_host_keys) as s:

@@ -29,14 +29,14 @@ from typing import Any
 
 from dtrain.common import jobenv
 from dtrain.common.errors import ExitCode, UserError, stop_outcome
+from dtrain.common.jobenv import STOP_GRACE_S as SHUTDOWN_GRACE_S  # SIGTERM, then this long before SIGKILL
 from dtrain.common.procs import dies_with_parent
 from dtrain.common.rundir import CHECKPOINTS, CKPT_PREFIX, read_json, run_disk_full, write_json
 from dtrain.common.storage import DiskFull, Store, is_remote
 from dtrain.control.events import Events, Handle, Stop
-from dtrain.control.launch import LaunchResult
+from dtrain.control.launch_result import LaunchResult
 from dtrain.control.program import Job, check_program, run_prefix
 
-SHUTDOWN_GRACE_S = jobenv.STOP_GRACE_S  # SIGTERM, then this long before SIGKILL (the same budget as a built-in's)
 # The copy interval of the checkpoint directory (tests shorten it; 30 s costs a long run nothing).
 MIRROR_INTERVAL_S = float(os.environ.get("DTRAIN_INTERNAL_MIRROR_INTERVAL_S", "30"))
 

@@ -185,7 +185,7 @@ class JobBody(BaseModel):
 def list_jobs(
     request: Request, all_jobs: Annotated[bool, Query(alias="all", description="ended ones too")] = False
 ) -> dict[str, Any]:
-    from dtrain.control.slurm.jobs import list_jobs as slurm_jobs
+    from dtrain.control.slurm.joblist import list_jobs as slurm_jobs
 
     dash = _dash(request)
     return {"cluster": dash.cluster.name, "jobs": [r.as_dict() for r in slurm_jobs(dash.cluster, all_jobs=all_jobs)]}
@@ -196,8 +196,9 @@ def submit_job(request: Request, body: JobBody) -> dict[str, Any]:
     """Checked and queued at once; the answer has the job id and where its run goes."""
     from dtrain.control.events import Events, Handle
     from dtrain.control.launch import LaunchRequest
-    from dtrain.control.settings import schema, workload_class
-    from dtrain.control.slurm.jobs import submit
+    from dtrain.control.settings import schema
+    from dtrain.control.slurm.submit import submit
+    from dtrain.control.workloads import workload_class
 
     dash = _dash(request)
     workload_class(body.workload)  # an unknown one is settings' own one-line error
@@ -215,7 +216,7 @@ def submit_job(request: Request, body: JobBody) -> dict[str, Any]:
 @router.delete("/jobs/{job_id}", summary="Cancel a queued or running job (its ranks checkpoint and stop)")
 def cancel_job(request: Request, job_id: str) -> dict[str, Any]:
     from dtrain.control.events import Events, Handle
-    from dtrain.control.slurm.jobs import cancel
+    from dtrain.control.slurm.cancel import cancel
 
     if not job_id.isdigit():
         raise UserError(f"bad job id {job_id!r}: Slurm's job ids are numbers")

@@ -124,7 +124,7 @@ def cluster_page(request: Request) -> HTMLResponse:
     dash = _dash(request)
     jobs, queue_error = [], ""
     if dash.cluster.slurm is not None:
-        from dtrain.control.slurm.jobs import list_jobs
+        from dtrain.control.slurm.joblist import list_jobs
 
         try:
             jobs = [r.as_dict() for r in list_jobs(dash.cluster)]

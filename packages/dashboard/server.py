@@ -19,7 +19,7 @@ from dtrain.dashboard import auth
 from dtrain.dashboard.app import Dashboard, create_app
 
 # Open streams (a run page's live updates) are closed this long after a stop request.
-SHUTDOWN_GRACE_S = 2
+SERVER_SHUTDOWN_S = 2
 
 
 def serve(
@@ -56,7 +56,7 @@ def serve(
             access_log=False,  # AccessLog in app.py logs paths without their query (a ?token= link)
             lifespan="off",
             server_header=False,
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            timeout_graceful_shutdown=SERVER_SHUTDOWN_S,
         )
     )
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from dtrain.control.events import Events, Handle
 from dtrain.control.slurm.commands import expand_hostlist
 from dtrain.service import logic
-from dtrain.service.logic import Action, Job, Note, Seen, State, Vm
+from dtrain.service.logic import Action, Note, QueuedJob, Seen, State, Vm
 
 POLL_S = 10.0
 COMMAND_TIMEOUT_S = 30.0
@@ -164,7 +164,7 @@ class Service:
     # -- look ---------------------------------------------------------------------------------------
 
     def look(self, now: float | None = None) -> Seen:
-        from dtrain.control.gcp.api import node_states
+        from dtrain.control.gcp.vmstates import node_states
 
         names = [self.cfg.master, *self.cfg.workers]
         vms: dict[str, Vm] | None
@@ -179,7 +179,7 @@ class Service:
         jobs = self._jobs(time.time() if now is None else now)
         return Seen(vms=vms, vm_error=error, jobs=jobs, slurm_up=self._slurm_up(), sessions=self._sessions())
 
-    def _jobs(self, now: float) -> tuple[Job, ...] | None:
+    def _jobs(self, now: float) -> tuple[QueuedJob, ...] | None:
         p = self.shell(SQUEUE)
         if p.returncode != 0:
             return None
@@ -190,15 +190,15 @@ class Service:
                 nodes = tuple(expand_hostlist(parts[3])) if parts[3] and parts[3] != "(null)" else ()
                 elapsed = parts[4] if len(parts) == 5 else ""
                 stalled = parts[1] == "RUNNING" and self._stalled(parts[0], elapsed, now)
-                jobs.append(Job(parts[0], parts[1], parts[2], nodes, stalled=stalled))
+                jobs.append(QueuedJob(parts[0], parts[1], parts[2], nodes, stalled=stalled))
         return tuple(jobs)
 
     def _stalled(self, job: str, elapsed: str, now: float) -> bool:
         """Whether a running job's run has logged no metrics line for stall_after (the rule `dtrain jobs`
-        shows: dtrain.control.slurm.jobs.stall_since). Its last line is read only once the job has run that
+        shows: dtrain.control.slurm.joblist.stall_since). Its last line is read only once the job has run that
         long, and then at most every STALL_CHECK_S; a run that cannot be read is not called stalled."""
         from dtrain.control.slurm.commands import JobState
-        from dtrain.control.slurm.jobs import elapsed_seconds, stall_since
+        from dtrain.control.slurm.joblist import elapsed_seconds, stall_since
 
         stall_after = self.cfg.stall_after_s
         if not elapsed or elapsed_seconds(elapsed) < stall_after:
@@ -215,7 +215,7 @@ class Service:
     def _last_metrics(self, job: str) -> dict[str, Any] | None:
         """The job's run's last metrics.jsonl line ({} before its first), None if its run is not known."""
         from dtrain.common.storage import is_remote, open_store
-        from dtrain.control.slurm.jobs import last_line
+        from dtrain.control.slurm.joblist import last_line
 
         if job not in self._urls:
             self._urls.update(self._run_urls((job,)))
@@ -326,7 +326,7 @@ class Service:
                              source="dtrain-service")  # fmt: skip
 
     def _run_urls(self, jobs: tuple[str, ...]) -> dict[str, str]:
-        from dtrain.control.slurm.jobs import JOBS_DIR
+        from dtrain.control.slurm.session import JOBS_DIR
 
         paths = " ".join(shlex.quote(f"{self.cfg.workdir}/{JOBS_DIR}/{j}.json") for j in jobs)
         p = self.shell(f'for f in {paths}; do cat "$f" 2>/dev/null; echo; done')

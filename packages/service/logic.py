@@ -3,7 +3,7 @@ the VMs, Slurm's queue and nodes, the login sessions) and what it remembers (Sta
 
 Rules (docs/service.md says why):
   - Recovery acts only on a confirmed preemption: a VM that is TERMINATED/STOPPED *and* has a
-    `compute.instances.preempted` operation after its last start (api.node_states' `preempted`). A
+    `compute.instances.preempted` operation after its last start (gcp.vmstates.node_states' `preempted`). A
     failed or odd status call changes nothing and starts nothing (skypilot#10155).
   - A start is tried again with exponential backoff (START_BACKOFF_S doubling, capped at
     START_BACKOFF_CAP_S), for ever: a zone without capacity says "waiting for capacity in <zone> since
@@ -58,7 +58,7 @@ class Vm:
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
+class QueuedJob:
     """One job in Slurm's queue (squeue)."""
 
     job_id: str
@@ -81,7 +81,7 @@ class Seen:
 
     vms: dict[str, Vm] | None
     vm_error: str = ""
-    jobs: tuple[Job, ...] | None = None
+    jobs: tuple[QueuedJob, ...] | None = None
     slurm_up: frozenset[str] | None = None  # nodes whose slurmd answers (sinfo: not down, not "*")
     sessions: int | None = None  # interactive login sessions on the master
 

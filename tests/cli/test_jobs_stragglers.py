@@ -17,7 +17,7 @@ SLOW = "h1 rank 1 (2.3x)"
 
 def render(width: int, slow: str = SLOW) -> tuple[str, list[str], list[str]]:
     jobs = rows()
-    jobs[0]["stragglers"] = slow  # the running job (what dtrain.control.slurm.jobs puts in its row)
+    jobs[0]["stragglers"] = slow  # the running job (what dtrain.control.slurm.joblist puts in its row)
     jobs[1]["stragglers"] = ""
     table, hidden = jobs_table(jobs, "demo", width)
     out = Console(file=io.StringIO(), width=width, color_system=None)

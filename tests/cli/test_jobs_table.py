@@ -10,7 +10,8 @@ from rich.console import Console
 
 from dtrain.cli.jobs_cmd import BY_PRIORITY, JOB_COLUMNS, KEPT, jobs_table
 from dtrain.control.slurm.commands import JobState
-from dtrain.control.slurm.jobs import JobRecord, JobRow
+from dtrain.control.slurm.joblist import JobRow
+from dtrain.control.slurm.session import JobRecord
 
 
 def rows() -> list[dict]:

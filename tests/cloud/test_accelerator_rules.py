@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dtrain.common import accelerators
-from dtrain.control.gcp.api import ACCELERATOR_QUOTA
+from dtrain.control.gcp.preflight import ACCELERATOR_QUOTA
 from dtrain.control.gcp.prices import GPU_HOURLY, MACHINE_HOURLY, node_price, vcpus
 from dtrain.control.gcp.rules import rules
 

@@ -1,5 +1,5 @@
 """Rank 0's progress travels from a node to the launcher as machine-readable lines
-(DTRAIN_INTERNAL_PROGRESS=1), at most two a second plus the last, and the launcher's Job turns
+(DTRAIN_INTERNAL_PROGRESS=1), at most two a second plus the last, and the launcher's NodeAgents turns
 them into its own progress bar instead of printing them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 from dtrain.common import metrics
 from dtrain.control.cluster import Cluster, Node
 from dtrain.control.events import Collector, Handle
-from dtrain.control.remote import PROGRESS_PREFIX, Job
+from dtrain.control.remote import PROGRESS_PREFIX, NodeAgents
 
 
 def test_reporter_emits_progress_lines(monkeypatch, capsys):
@@ -38,7 +38,7 @@ def test_other_ranks_and_plain_runs_emit_nothing(monkeypatch, capsys):
 def test_job_keeps_progress_lines_out_of_the_output():
     c = Cluster(name="c", backend="hosts", nodes=(Node(name="n0", address="10.0.0.1", master=True),))
     events = Collector()
-    job = Job(ssh=None, cluster=c, run_id="r", specs={}, logs=None, events=events, handle=Handle(), echo=False)  # type: ignore[arg-type]
+    job = NodeAgents(ssh=None, cluster=c, run_id="r", specs={}, logs=None, events=events, handle=Handle(), echo=False)  # type: ignore[arg-type]
     job._show("n0", PROGRESS_PREFIX + json.dumps({"total": 3, "completed": 1, "description": "train"}))
     job._show("n0", "epoch 1/1: eval accuracy 0.9")
     assert job.output == [("n0", "epoch 1/1: eval accuracy 0.9")]

@@ -130,7 +130,7 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-# --- the launcher's side (dtrain.control.remote.Job), with real agents on this machine ---------------------
+# --- the launcher's side (dtrain.control.remote.NodeAgents), with real agents on this machine ---------------------
 
 PLAIN = """
 import os, sys, time
@@ -147,9 +147,9 @@ for step in range(int(sys.argv[1])):
 
 
 class LocalShell:
-    """Job's SSH, reduced to what it calls: each node's command runs here, under bash."""
+    """NodeAgents' SSH, reduced to what it calls: each node's command runs here, under bash."""
 
-    def popen(self, node, command: str, **kw):  # noqa: ANN001, ANN003, ANN201 - Job's own signature
+    def popen(self, node, command: str, **kw):  # noqa: ANN001, ANN003, ANN201 - NodeAgents' own signature
         return subprocess.Popen(["bash", "-c", command], start_new_session=True, **kw)
 
 
@@ -157,7 +157,7 @@ def _job(tmp_path: Path, timeout: float, steps: int, step_s: tuple[float, float]
     from dtrain.common.storage import LocalStore
     from dtrain.control.cluster import Cluster, Node
     from dtrain.control.events import Collector, Handle
-    from dtrain.control.remote import Job, LogFiles, hang_spec
+    from dtrain.control.remote import LogFiles, NodeAgents, hang_spec
 
     (tmp_path / "job.py").write_text(PLAIN)
     nodes = tuple(
@@ -174,7 +174,7 @@ def _job(tmp_path: Path, timeout: float, steps: int, step_s: tuple[float, float]
         for i, n in enumerate(nodes)
     }  # fmt: skip
     events = Collector()
-    job = Job(LocalShell(), Cluster(name="c", backend="hosts", nodes=nodes), "r", specs, LogFiles("r", run),  # type: ignore[arg-type]
+    job = NodeAgents(LocalShell(), Cluster(name="c", backend="hosts", nodes=nodes), "r", specs, LogFiles("r", run),  # type: ignore[arg-type]
               events=events, handle=Handle(), echo=False)  # fmt: skip
     return job, events, run
 

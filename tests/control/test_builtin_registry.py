@@ -1,4 +1,4 @@
-"""Built-in examples hang off one registry (settings.WORKLOADS) that an installed package can enter
+"""Built-in examples hang off one registry (workloads.WORKLOADS) that an installed package can enter
 through the `dtrain.workloads` entry-point group; nothing in the launch path names a workload."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def write_plugin(site: Path) -> None:
     (site / "toyplug.py").write_text(
         "import dataclasses\n"
         "from dtrain.common.config import RunConfig, opt\n"
-        "from dtrain.control.settings import Builtin\n\n"
+        "from dtrain.control.workloads import Builtin\n\n"
         "@dataclasses.dataclass(kw_only=True)\n"
         "class ToyConfig:\n"
         '    """Train the toy."""\n'
@@ -58,6 +58,6 @@ def test_the_launch_path_names_no_workload():
     for path in paths:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             named = re.search(r'f"dtrain\.\{[a-z_.]+\}\.train"', line) or re.search(r"\b(mnist|lora)\.train\b", line)
-            if named and path.name != "settings.py":  # the registry itself names them
+            if named and path.name != "workloads.py":  # the registry itself names them
                 offenders.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
     assert offenders == [], "\n".join(offenders)

@@ -11,14 +11,13 @@ from dtrain.common.config import Precision, RunConfig, scalar_fields
 from dtrain.common.errors import UserError
 from dtrain.control import settings as S
 from dtrain.control.settings import (
-    WORKLOADS,
-    Builtin,
     describe,
     env_name,
     get_cluster,
     load_settings,
     schema,
 )
+from dtrain.control.workloads import WORKLOADS, Builtin, workload_class
 from dtrain.mnist.config import Dataset, MnistConfig
 
 
@@ -316,7 +315,7 @@ def test_no_two_keys_share_an_env_name_and_none_is_reserved():
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
 def test_workload_fields_do_not_shadow_run_fields(workload):
     # Workloads are built from flat keys (and take flat flags), so names must be unique.
-    flat = [name for name, _, _ in scalar_fields(S.workload_class(workload))]
+    flat = [name for name, _, _ in scalar_fields(workload_class(workload))]
     assert len(flat) == len(set(flat))
     assert {k.split(".", 1)[1] for k in schema() if k.startswith("run.")} >= {
         name for name, f, _ in scalar_fields(RunConfig) if not f.metadata.get("internal")

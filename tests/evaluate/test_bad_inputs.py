@@ -93,7 +93,7 @@ def test_a_directory_that_is_not_a_run(tmp_path: Path):
 
 
 def test_the_node_side_evaluator_comes_from_the_registry_and_a_wrong_one_is_one_line(mnist_run: Path):
-    """dtrain eval passes the registry's evaluator (settings.Builtin.evaluate); a module that is not one, or
+    """dtrain eval passes the registry's evaluator (workloads.Builtin.evaluate); a module that is not one, or
     is not there, is refused in one line before any record is written."""
     import subprocess
     import sys

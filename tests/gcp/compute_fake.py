@@ -1,4 +1,4 @@
-"""A small, stateful Compute Engine v1 REST server for tests of dtrain.control.gcp.api.
+"""A small, stateful Compute Engine v1 REST server for tests of dtrain.control.gcp.
 
 It speaks the paths and JSON shapes google-cloud-compute's REST transport uses (the `uri` entries
 of each service's transports/rest_base.py), keeps a world the tests build (quotas, zones,

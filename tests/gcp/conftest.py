@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("google.cloud.compute_v1", reason="needs google-cloud-compute (pip install 'dtrain[gcp]')")
 
-from dtrain.control.gcp import api as gcp_mod  # noqa: E402
+from dtrain.control.gcp import client, sweep  # noqa: E402
 
 from .compute_fake import ComputeWorld, FakeComputeServer  # noqa: E402
 
@@ -51,14 +51,14 @@ def server(world: ComputeWorld) -> Iterator[FakeComputeServer]:
 
 
 @pytest.fixture
-def gcp(server: FakeComputeServer, monkeypatch: pytest.MonkeyPatch) -> gcp_mod.Gcp:
+def gcp(server: FakeComputeServer, monkeypatch: pytest.MonkeyPatch) -> client.Gcp:
     from google.auth.credentials import AnonymousCredentials
 
     # The fake's operations finish after a couple of polls; no need to pace them a second apart.
-    monkeypatch.setattr(gcp_mod, "OPERATION_POLL_S", 0.01)
+    monkeypatch.setattr(sweep, "OPERATION_POLL_S", 0.01)
     # Transient errors are retried for RETRY_DEADLINE_S (30 s); tests that inject them need less.
-    monkeypatch.setattr(gcp_mod, "RETRY_DEADLINE_S", 0.5)
-    return gcp_mod.Gcp.connect(
+    monkeypatch.setattr(client, "RETRY_DEADLINE_S", 0.5)
+    return client.Gcp.connect(
         PROJECT, endpoint=server.endpoint, api_endpoint=server.endpoint, credentials=AnonymousCredentials()
     )
 

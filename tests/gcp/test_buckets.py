@@ -10,7 +10,8 @@ import uuid
 
 import pytest
 
-from dtrain.control.gcp.api import Gcp, delete_leftovers, find_leftovers
+from dtrain.control.gcp.client import Gcp
+from dtrain.control.gcp.sweep import delete_leftovers, find_leftovers
 
 from .conftest import PROJECT, REGION
 

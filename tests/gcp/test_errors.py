@@ -11,7 +11,11 @@ import textwrap
 import pytest
 
 from dtrain.common.errors import ExitCode, UserError
-from dtrain.control.gcp.api import Gcp, api_error, find_leftovers, node_states, preflight
+from dtrain.control.gcp.client import Gcp
+from dtrain.control.gcp.errors import api_error
+from dtrain.control.gcp.preflight import preflight
+from dtrain.control.gcp.sweep import find_leftovers
+from dtrain.control.gcp.vmstates import node_states
 
 from .compute_fake import error_body, permission_denied, service_disabled
 from .conftest import PROJECT, REGION
@@ -187,7 +191,7 @@ def test_adc_without_a_project(tmp_path, monkeypatch):
 def _connect_in_subprocess(env: dict) -> subprocess.CompletedProcess:
     # A child process, because google-auth reads NO_GCE_CHECK once, at import.
     code = textwrap.dedent("""
-        from dtrain.control.gcp.api import Gcp
+        from dtrain.control.gcp.client import Gcp
         from dtrain.common.errors import UserError
         try:
             Gcp.connect("p")

@@ -1,13 +1,14 @@
 """instances.start against the Compute fake where the fake must behave as Compute does (issue 31, A.9): a
 start of a running VM is a no-op, and a stockout comes as ZONE_RESOURCE_POOL_EXHAUSTED or as
 ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS, both read as a stockout by every place that classifies one
-(api.is_stockout: instances, the Terraform diagnostics, the cluster service)."""
+(errors.is_stockout: instances, the Terraform diagnostics, the cluster service)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dtrain.control.gcp import api, instances
+from dtrain.control.gcp import instances
+from dtrain.control.gcp.errors import is_stockout
 
 from .conftest import REGION
 
@@ -69,8 +70,8 @@ def test_terraform_diagnostics_of_either_stockout_say_zone_exhausted(code):
 
 def test_is_stockout_reads_codes_and_words_and_nothing_else():
     for code in STOCKOUTS:
-        assert api.is_stockout(code, "")
-        assert api.is_stockout(message=f"operation failed: {code}: try later")
-    assert api.is_stockout(message="The zone 'z' does not have enough resources available to fulfill the request.")
-    assert not api.is_stockout("QUOTA_EXCEEDED", "Quota 'CPUS' exceeded.")
-    assert not api.is_stockout(message="ZONE_RESOURCE_POOL_EXHAUSTED_SOMETHING_ELSE")
+        assert is_stockout(code, "")
+        assert is_stockout(message=f"operation failed: {code}: try later")
+    assert is_stockout(message="The zone 'z' does not have enough resources available to fulfill the request.")
+    assert not is_stockout("QUOTA_EXCEEDED", "Quota 'CPUS' exceeded.")
+    assert not is_stockout(message="ZONE_RESOURCE_POOL_EXHAUSTED_SOMETHING_ELSE")

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dtrain.control.gcp import api
+from dtrain.control.gcp import permissions
+from dtrain.control.gcp.preflight import PreflightReport
 
 from .conftest import REGION
 
@@ -50,7 +51,7 @@ def test_the_list_covers_every_resource_infra_creates():
     for tf in INFRA.glob("*.tf"):
         types |= set(re.findall(r'^resource "(google_[a-z0-9_]+)"', tf.read_text(), re.M))
     assert types and types <= set(CREATES), sorted(types - set(CREATES))
-    listed = {p for g in api.UP_PERMISSIONS for p in g.permissions}
+    listed = {p for g in permissions.UP_PERMISSIONS for p in g.permissions}
     assert {CREATES[t] for t in types} <= listed
     assert set(EDITOR_LACKS) <= listed
 
@@ -63,7 +64,7 @@ def ctx(cluster_ctx):
 def access_problems(ctx) -> list[str]:
     from dtrain.control.gcp import lifecycle
 
-    report = api.PreflightReport(project=ctx.project, region=REGION, zone=ZONE, accelerator=None)
+    report = PreflightReport(project=ctx.project, region=REGION, zone=ZONE, accelerator=None)
     derived = {"node_names": ["demo-master", "demo-worker-0"], "nat": False}
     lifecycle._access_check(ctx, report, derived)
     return report.problems
@@ -104,7 +105,7 @@ def test_one_missing_permission_names_its_role_and_purpose(ctx, world):
 
 def test_the_groups_follow_the_cluster_settings():
     def perms(**kw) -> set[str]:
-        return {p for g in api.up_permissions(**kw) for p in g.permissions}
+        return {p for g in permissions.up_permissions(**kw) for p in g.permissions}
 
     with_ip = perms(nat=False, external_ip=True, os_login=False)
     without = perms(nat=True, external_ip=False, os_login=True)

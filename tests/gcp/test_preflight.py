@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dtrain.common.errors import ExitCode, UserError
-from dtrain.control.gcp.api import preflight
+from dtrain.control.gcp.preflight import preflight
 
 from .conftest import PROJECT, REGION
 

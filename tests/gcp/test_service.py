@@ -348,12 +348,12 @@ def test_a_running_job_keeps_the_cluster_up_through_a_stockout():
     }
     t = state.track(WORKER)
     t.phase, t.capacity_since, t.next_try = "waiting-capacity", 1000.0, 1e12  # no start due in this test
-    running = logic.Job("8", "RUNNING", "None", (MASTER, "demo-worker-1"))
+    running = logic.QueuedJob("8", "RUNNING", "None", (MASTER, "demo-worker-1"))
     seen = logic.Seen(vms=vms, jobs=(running,), sessions=0)
     assert logic.decide(state, seen, 1000.0 + 7200)[0] == [] and not state.stopping
     # capacity_wait = "off": the old behaviour, wait for ever, and status says so.
     state.capacity_wait_s = None
-    seen = logic.Seen(vms=vms, jobs=(logic.Job("7", "PENDING", "BeginTime", ()),), sessions=0)
+    seen = logic.Seen(vms=vms, jobs=(logic.QueuedJob("7", "PENDING", "BeginTime", ()),), sessions=0)
     assert logic.decide(state, seen, 1000.0 + 86400)[0] == [] and not state.stopping
     assert any("no bound (capacity_wait = off)" in ln for ln in logic.describe(state, 1000.0 + 86400))
 
@@ -425,7 +425,7 @@ def test_a_node_back_for_long_enough_starts_a_new_wait():
     # The other side of the bound: preemptions RECOVERED_S apart are separate waits, not one.
     state = logic.State(cluster="demo", zone=ZONE, master=MASTER, workers=[WORKER],
                         autostop_s=60.0, capacity_wait_s=3600.0)  # fmt: skip
-    pending = (logic.Job("7", "PENDING", "BeginTime", ()),)
+    pending = (logic.QueuedJob("7", "PENDING", "BeginTime", ()),)
     up = {MASTER: logic.Vm(MASTER, "RUNNING", False), WORKER: logic.Vm(WORKER, "RUNNING", False)}
     down = {**up, WORKER: logic.Vm(WORKER, "TERMINATED", True)}
     assert logic.decide(state, logic.Seen(vms=down, jobs=pending, sessions=0), 1000.0)[0] == [

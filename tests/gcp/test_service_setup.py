@@ -50,7 +50,7 @@ def test_archive_holds_what_the_service_imports():
     with tarfile.open(fileobj=io.BytesIO(service_setup.service_archive())) as tar:
         names = set(tar.getnames())
     for module in ("service/__main__.py", "service/daemon.py", "service/logic.py", "control/gcp/instances.py",
-                   "control/gcp/api.py", "common/metrics.py", "common/storage.py"):  # fmt: skip
+                   "control/gcp/vmstates.py", "common/metrics.py", "common/storage.py"):  # fmt: skip
         assert f"dtrain/{module}" in names, module
     assert not any(n.startswith(("dtrain/cli/", "dtrain/mnist/")) for n in names)
 

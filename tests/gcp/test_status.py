@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from dtrain.control.gcp.api import node_states
+from dtrain.control.gcp.vmstates import node_states
 
 from .conftest import REGION
 

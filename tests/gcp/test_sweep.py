@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dtrain.control.gcp.api import KIND_ORDER, Leftover, delete_leftovers, find_leftovers
+from dtrain.control.gcp.sweep import KIND_ORDER, Leftover, delete_leftovers, find_leftovers
 
 from .compute_fake import permission_denied
 from .conftest import REGION

@@ -13,7 +13,8 @@ from dtrain.control.backends import get
 from dtrain.control.gcp.record import key_path, write_record
 from dtrain.control.settings import ClusterConfig
 from dtrain.control.slurm import commands
-from dtrain.control.slurm.jobs import JobRecord, elapsed_seconds, expand_nodelist, job_row, stall_since
+from dtrain.control.slurm.joblist import elapsed_seconds, expand_nodelist, job_row, stall_since
+from dtrain.control.slurm.session import JobRecord
 from dtrain.control.slurm.spec import STALL_AFTER_S
 
 # g2-standard-8 (one L4), us-central1, on demand (prices.py), a 100 GB pd-balanced disk, Spot at 0.40.
@@ -113,7 +114,7 @@ def metrics_of_a_run(run: Path, steps: int) -> dict:
     as `dtrain jobs` reads it (its own reader)."""
     from dtrain.common.metrics import Reporter
     from dtrain.common.storage import open_store
-    from dtrain.control.slurm.jobs import last_line
+    from dtrain.control.slurm.joblist import last_line
 
     reporter = Reporter(enabled=True, store=open_store(str(run)))
     for step in range(1, steps + 1):
@@ -168,7 +169,7 @@ def test_runs_in_buckets_are_read_side_by_side_and_an_unreachable_one_is_not_wai
     import threading
 
     from dtrain.common.storage import open_store
-    from dtrain.control.slurm.jobs import _remote_last_metrics
+    from dtrain.control.slurm.joblist import _remote_last_metrics
 
     def run(run_id: str, url: str) -> JobRecord:
         return JobRecord("1", "n", "mnist", run_id, url, "/d", 1, 0.0, "lab")

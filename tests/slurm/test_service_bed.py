@@ -51,7 +51,7 @@ class Cloud:
     def __init__(self, bed: Env, **service: object) -> None:
         from google.auth.credentials import AnonymousCredentials
 
-        from dtrain.control.gcp.api import Gcp
+        from dtrain.control.gcp.client import Gcp
 
         self.bed, self.world = bed, ComputeWorld(PROJECT)
         w = self.world
@@ -274,7 +274,7 @@ def test_autostop_stops_the_workers_then_the_master_and_submit_starts_them_again
     both again (the master first), waits for them, and runs: `dtrain submit`'s function, called here so
     that the startup script's ready file can be put where this machine's other tests do not look."""
     from dtrain.control.launch import LaunchRequest
-    from dtrain.control.slurm.jobs import submit
+    from dtrain.control.slurm.submit import submit
 
     sb = bed.sb
     with Cloud(bed, autostop="3s") as cloud:

@@ -93,7 +93,7 @@ def cluster(tmp_path: Path, *, managed: bool, image: str = "") -> Cluster:
 RUN_ID = "mnist-20260101-000000-abcd"
 
 
-def files(c: Cluster, *, resumed: bool = False, nodes: int = 2, time: str = "", **plan: Any) -> script.JobFiles:
+def files(c: Cluster, *, resumed: bool = False, nodes: int = 2, time: str = "", **plan: Any) -> script.BatchFiles:
     """A built-in's job (as launch.builtin_plan makes it): its module under torchrun with its flags, no working
     directory, and its run on the cluster's shared filesystem."""
     from dtrain.common.storage import open_store
@@ -322,10 +322,10 @@ def test_the_node_side_needs_only_the_standard_library() -> None:
 def test_host_lists_have_one_reading_with_suffixes_and_odd_ranges() -> None:
     """One expansion of Slurm's host lists for `dtrain jobs`' cost and the cluster service (whose own copy
     dropped suffixes and crashed on a range that is not numbers)."""
-    from dtrain.control.slurm import jobs
+    from dtrain.control.slurm import joblist
     from dtrain.service import daemon
 
-    assert jobs.expand_nodelist is commands.expand_hostlist and daemon.expand_hostlist is commands.expand_hostlist
+    assert joblist.expand_nodelist is commands.expand_hostlist and daemon.expand_hostlist is commands.expand_hostlist
     e = commands.expand_hostlist
     assert e("demo-master,demo-worker-[0-2,5]") == ["demo-master", "demo-worker-0", "demo-worker-1",
                                                     "demo-worker-2", "demo-worker-5"]  # fmt: skip

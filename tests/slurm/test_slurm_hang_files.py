@@ -10,12 +10,13 @@ from pathlib import Path
 
 from dtrain.common import slurmstep
 from dtrain.control.slurm import commands, script
-from dtrain.control.slurm.jobs import JobRecord, JobRow
+from dtrain.control.slurm.joblist import JobRow
+from dtrain.control.slurm.session import JobRecord
 
 from .test_slurm_files import cluster, files
 
 
-def _files(tmp_path: Path, **kw: object) -> script.JobFiles:
+def _files(tmp_path: Path, **kw: object) -> script.BatchFiles:
     return files(cluster(tmp_path, managed=False), nodes=1, **kw)
 
 

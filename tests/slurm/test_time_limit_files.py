@@ -15,7 +15,8 @@ from runs import CLI, isolated_env
 from dtrain.common import slurmstep
 from dtrain.common.errors import UserError
 from dtrain.control.slurm import commands, script
-from dtrain.control.slurm.jobs import JobRecord, JobRow, time_limit_state
+from dtrain.control.slurm.joblist import JobRow, time_limit_state
+from dtrain.control.slurm.session import JobRecord
 from dtrain.control.slurm.spec import check_time, job_options, limit_seconds, warning_lead_s
 
 from .test_slurm_files import cluster, files
@@ -157,7 +158,7 @@ def test_train_following_the_job_reports_each_continuation() -> None:
     """`dtrain train` through Slurm follows the job across its continuations: a `time-limit` event each time
     the job's count goes up (or it stops at max_continuations), besides the requeue's own stage line."""
     from dtrain.control.events import Collector
-    from dtrain.control.slurm.jobs import _report
+    from dtrain.control.slurm.joblogs import _report
 
     events = Collector()
     one = "dtrain:time-limit:1"

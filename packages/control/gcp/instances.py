@@ -6,7 +6,7 @@ recover a preempted node and to autostop, and what `dtrain submit`/`up` do to a 
     start_cluster(gcp, zone, "demo", ["demo-master", "demo-worker-0"], events=..., handle=...)
 
 Operations are waited for on the endpoint `gcp` talks to (ZoneOperations.wait), never through the
-ExtendedOperation's own poller, which would ask Google whatever the endpoint (see api._start_delete).
+ExtendedOperation's own poller, which would ask Google whatever the endpoint (see sweep._start_delete).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 
 from dtrain.common.errors import ExitCode, UserError
 from dtrain.control.events import Events, Handle
-from dtrain.control.gcp.api import Gcp, api_error, is_stockout
+from dtrain.control.gcp.client import Gcp
+from dtrain.control.gcp.errors import api_error, is_stockout
 
 OPERATION_TIMEOUT_S = 300.0
 OPERATION_POLL_S = 1.0
@@ -119,7 +120,7 @@ def start_cluster(
     registers with the master's slurmctld. A zone without capacity is tried again, START_ATTEMPTS times
     per node with a growing pause, then one line that says so. Returns once Compute says each runs; the
     caller waits for the nodes to answer (lifecycle.wait_ready)."""
-    from dtrain.control.gcp.api import node_states
+    from dtrain.control.gcp.vmstates import node_states
 
     names = list(names)
     states = {s.name: s for s in node_states(gcp, zone, cluster_name, expected=names)}

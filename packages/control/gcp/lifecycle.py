@@ -30,8 +30,10 @@ from dtrain.control.events import Events, Handle
 
 if TYPE_CHECKING:
     from dtrain.control.cluster import Cluster
-    from dtrain.control.gcp.api import Gcp, Leftover, PreflightReport
+    from dtrain.control.gcp.client import Gcp
+    from dtrain.control.gcp.preflight import PreflightReport
     from dtrain.control.gcp.spec import GcpSpec
+    from dtrain.control.gcp.sweep import Leftover
     from dtrain.control.gcp.terraform import Terraform
     from dtrain.control.settings import ClusterConfig
 
@@ -87,7 +89,7 @@ def context(cfg: ClusterConfig) -> Context:
 
 def connect(project: str, cluster: str) -> Gcp:
     """Compute and Storage clients for `project`, at the endpoints the environment names."""
-    from dtrain.control.gcp.api import Gcp
+    from dtrain.control.gcp.client import Gcp
     from dtrain.control.settings import gcp_api_endpoint, gcp_endpoints
 
     compute, storage = gcp_endpoints()
@@ -131,13 +133,13 @@ def derive(ctx: Context, zone: str | None) -> dict[str, Any]:
 
 def _quota_check(ctx: Context, derived: dict[str, Any], zone: str | None, existing: int = 0) -> PreflightReport:
     """Quota for the nodes this run adds: `existing` nodes of the cluster already count in usage."""
-    from dtrain.control.gcp.api import preflight as api_preflight
+    from dtrain.control.gcp.preflight import preflight as quota_preflight
     from dtrain.control.gcp.prices import vcpus
 
     s = ctx.spec
     new = max(0, s.nodes - existing)
     per_node_cpus = vcpus(derived["machine_type"]) or 0
-    return api_preflight(
+    return quota_preflight(
         ctx.api,
         s.region,
         zone,
@@ -201,21 +203,24 @@ def _access_check(ctx: Context, report: PreflightReport, derived: dict[str, Any]
     """How dtrain will log in to the nodes and reach them, and whether it can: the organisation's
     policies (OS Login required, external IPs denied), gcloud for IAP, the caller's permissions, the
     OS Login API. Each problem is one line in the report, found before anything is created."""
-    from dtrain.control.gcp import api
+    from dtrain.control.gcp import permissions
+    from dtrain.control.gcp.errors import enable_hint
+    from dtrain.control.gcp.orgpolicy import EXTERNAL_IP_ACCESS, REQUIRE_OS_LOGIN, enforced, external_ip_denied
+    from dtrain.control.gcp.preflight import disabled_services
 
     s = ctx.spec
     where = f"[clusters.{s.name}]"
-    required = _org_policy(ctx, report, api.REQUIRE_OS_LOGIN, "if it requires OS Login, set os_login = true")
-    os_login_required = required is not None and api.enforced(required)
+    required = _org_policy(ctx, report, REQUIRE_OS_LOGIN, "if it requires OS Login, set os_login = true")
+    os_login_required = required is not None and enforced(required)
     if s.os_login is False and os_login_required:
         _config_problem(
             report,
-            f"the organisation policy {api.REQUIRE_OS_LOGIN} is enforced on project {ctx.project}: its VMs refuse "
+            f"the organisation policy {REQUIRE_OS_LOGIN} is enforced on project {ctx.project}: its VMs refuse "
             f"SSH keys in instance metadata, which os_login = false asks for: remove os_login = false under {where} "
             "(dtrain then adds the cluster's key to your OS Login profile)",
         )
     os_login = s.os_login is True or (s.os_login == "auto" and os_login_required)
-    why = f" ({api.REQUIRE_OS_LOGIN} is enforced)" if os_login_required else ""
+    why = f" ({REQUIRE_OS_LOGIN} is enforced)" if os_login_required else ""
     report.passed.append(
         f"login: OS Login{why}, the cluster's key on your profile"
         if os_login
@@ -224,12 +229,12 @@ def _access_check(ctx: Context, report: PreflightReport, derived: dict[str, Any]
 
     if s.external_ip:
         hint = "if it denies external IPs, set external_ip = false"
-        policy = _org_policy(ctx, report, api.EXTERNAL_IP_ACCESS, hint)
-        denied = api.external_ip_denied(policy or {}, ctx.project, report.zone, derived["node_names"])
+        policy = _org_policy(ctx, report, EXTERNAL_IP_ACCESS, hint)
+        denied = external_ip_denied(policy or {}, ctx.project, report.zone, derived["node_names"])
         if denied:
             _config_problem(
                 report,
-                f"the organisation policy {api.EXTERNAL_IP_ACCESS} denies an external IP to {', '.join(denied)} in "
+                f"the organisation policy {EXTERNAL_IP_ACCESS} denies an external IP to {', '.join(denied)} in "
                 f"project {ctx.project}: set external_ip = false under {where} (dtrain then reaches the nodes "
                 "through IAP, with gcloud)",
             )
@@ -243,21 +248,21 @@ def _access_check(ctx: Context, report: PreflightReport, derived: dict[str, Any]
             report.passed.append(f"reach: IAP TCP forwarding, through {gcloud}")
 
     nat = bool(derived.get("nat", not s.external_ip))
-    groups = api.up_permissions(nat=nat, external_ip=s.external_ip, os_login=os_login)
+    groups = permissions.up_permissions(nat=nat, external_ip=s.external_ip, os_login=os_login)
     wanted = list(dict.fromkeys(p for g in groups for p in g.permissions))
     try:
-        missing = api.missing_permissions(ctx.api, wanted)
+        missing = permissions.missing_permissions(ctx.api, wanted)
     except UserError as e:
         missing = []
         report.notes.append(f"could not check your permissions ({e})")
     if missing:
-        _config_problem(report, api.missing_permissions_line(ctx.project, groups, missing))
+        _config_problem(report, permissions.missing_permissions_line(ctx.project, groups, missing))
     else:
         report.passed.append(f"permissions: all {len(wanted)} that dtrain up needs")
     if os_login:
-        off = api.disabled_services(ctx.api, ["oslogin.googleapis.com"])
+        off = disabled_services(ctx.api, ["oslogin.googleapis.com"])
         if off:
-            _config_problem(report, api.enable_hint(ctx.project, off))
+            _config_problem(report, enable_hint(ctx.project, off))
     return Access(os_login=os_login, iap=not s.external_ip)
 
 
@@ -269,18 +274,18 @@ def _shielded_vm_check(ctx: Context, report: PreflightReport, derived: dict[str,
     unsigned drivers may not load: https://cloud.google.com/compute/shielded-vm/docs/modifying-shielded-vm).
     An organisation that enforces constraints/compute.requireShieldedVm refuses such VMs, mid-apply: say so
     here, in one line, before anything is created."""
-    from dtrain.control.gcp import api
+    from dtrain.control.gcp.orgpolicy import REQUIRE_SHIELDED_VM, enforced
 
     if derived.get("secure_boot", True):
         return  # vTPM and integrity monitoring are always on: the policy has nothing to refuse
-    policy = _org_policy(ctx, report, api.REQUIRE_SHIELDED_VM, "if it requires Shielded VMs, GPU nodes are refused")
-    if policy is not None and api.enforced(policy):
+    policy = _org_policy(ctx, report, REQUIRE_SHIELDED_VM, "if it requires Shielded VMs, GPU nodes are refused")
+    if policy is not None and enforced(policy):
         _config_problem(
             report,
-            f"the organisation policy {api.REQUIRE_SHIELDED_VM} is enforced on project {ctx.project}: it refuses "
+            f"the organisation policy {REQUIRE_SHIELDED_VM} is enforced on project {ctx.project}: it refuses "
             "VMs without Secure Boot, and GPU nodes run with Secure Boot off (the NVIDIA driver of their Deep "
             "Learning VM image is not signed for it): ask your organisation's administrator to exempt the project "
-            f"from {api.REQUIRE_SHIELDED_VM}, or use another project, or CPU nodes (use_gpu = false under "
+            f"from {REQUIRE_SHIELDED_VM}, or use another project, or CPU nodes (use_gpu = false under "
             f"[clusters.{ctx.spec.name}])",
         )
 
@@ -288,7 +293,7 @@ def _shielded_vm_check(ctx: Context, report: PreflightReport, derived: dict[str,
 def _org_policy(ctx: Context, report: PreflightReport, constraint: str, hint: str) -> dict[str, Any] | None:
     """The organisation policy for `constraint`, or None with a note when it cannot be read (reading
     needs orgpolicy.policy.get, which many users lack): dtrain then proceeds as if it were not set."""
-    from dtrain.control.gcp.api import effective_policy
+    from dtrain.control.gcp.orgpolicy import effective_policy
 
     try:
         return effective_policy(ctx.api, constraint)
@@ -306,7 +311,8 @@ def _config_problem(report: PreflightReport, problem: str) -> None:
 def _services_check(ctx: Context, events: Events) -> None:
     """The APIs the cluster needs are enabled, or one line that names the `gcloud services enable`
     command: before anything is created, not as a Terraform error halfway through."""
-    from dtrain.control.gcp.api import REQUIRED_SERVICES, disabled_services, enable_hint
+    from dtrain.control.gcp.errors import enable_hint
+    from dtrain.control.gcp.preflight import REQUIRED_SERVICES, disabled_services
 
     wanted = list(REQUIRED_SERVICES)
     off = disabled_services(ctx.api, wanted)
@@ -468,7 +474,7 @@ def up(
     path = write_record(rec)
     events.info(f"cluster record: {path}")
     from dtrain.control.backends import get
-    from dtrain.control.gcp.api import REQUIRE_OS_LOGIN
+    from dtrain.control.gcp.orgpolicy import REQUIRE_OS_LOGIN
 
     if login is not None:
         refused = (
@@ -487,7 +493,7 @@ def up(
 def _os_login_key(ctx: Context, key: Path, events: Events) -> Any:
     """Put the cluster's public key on the caller's OS Login profile, and remember which key it was, so
     that `down` takes it off again (the key dies with the cluster, as in instance metadata)."""
-    from dtrain.control.gcp.api import import_os_login_key
+    from dtrain.control.gcp.oslogin import import_os_login_key
     from dtrain.control.gcp.record import cluster_dir
 
     login = import_os_login_key(ctx.api, key.with_suffix(".pub").read_text())
@@ -605,7 +611,7 @@ def _empty_bucket(ctx: Context, name: str) -> int:
 
 def _remove_os_login_key(ctx: Context, events: Events) -> None:
     """Take the key `up` put on an OS Login profile off it again (it dies with the cluster)."""
-    from dtrain.control.gcp.api import remove_os_login_key
+    from dtrain.control.gcp.oslogin import remove_os_login_key
     from dtrain.control.gcp.record import cluster_dir
 
     saved = cluster_dir(ctx.spec.name) / OS_LOGIN_FILE
@@ -620,7 +626,8 @@ def _remove_os_login_key(ctx: Context, events: Events) -> None:
 def _find_zone(ctx: Context, rec: dict[str, Any] | None) -> str:
     """The cluster's zone for `down` when nothing on this machine says it: where its VMs are, else
     the region's first zone that is up (destroy works from the state; the variable must be valid)."""
-    from dtrain.control.gcp.api import cluster_zones, region_zones
+    from dtrain.control.gcp.preflight import region_zones
+    from dtrain.control.gcp.vmstates import cluster_zones
 
     s = ctx.spec
     zone = zone_of(s, rec) or next(iter(cluster_zones(ctx.api, s.region, s.name)), None)
@@ -639,8 +646,8 @@ def _checkpoint_bucket(ctx: Context, report: PreflightReport) -> bool:
     """Whether the checkpoint bucket exists and is this cluster's, kept by `dtrain down`: Terraform then
     adopts it (infra's adopt_bucket) instead of creating it, which GCS would answer with 409. A bucket
     of that name that is not the cluster's is a problem now rather than mid-apply."""
-    from dtrain.control.gcp.api import CLUSTER_LABEL
     from dtrain.control.gcp.auth import google_module
+    from dtrain.control.gcp.labels import CLUSTER_LABEL
 
     gexc = google_module("api_core.exceptions")
 
@@ -812,9 +819,9 @@ def down(
     force_unlock: str | None = None,
 ) -> DownResult:
     """Destroy the cluster, then sweep for anything still labelled with its name."""
-    from dtrain.control.gcp.api import delete_leftovers, find_leftovers
     from dtrain.control.gcp.record import cluster_dir, read_record, remove_record
     from dtrain.control.gcp.spec import tfvars, write_tfvars
+    from dtrain.control.gcp.sweep import delete_leftovers, find_leftovers
 
     ctx = context(cfg)
     s = ctx.spec
@@ -934,9 +941,9 @@ def status(cfg: ClusterConfig, *, now: Any = None) -> StatusResult:
     uptime and the cost so far: each node's hours since its last start (up to now while it runs, up
     to its last stop once stopped) at its hourly price from dtrain's price table (prices.py; Spot or
     on-demand as the VM is)."""
-    from dtrain.control.gcp.api import cluster_zones, node_states
     from dtrain.control.gcp.prices import estimate_note, node_price
     from dtrain.control.gcp.record import read_record
+    from dtrain.control.gcp.vmstates import cluster_zones, node_states
 
     ctx = context(cfg)
     s = ctx.spec
@@ -978,9 +985,9 @@ def ensure_running(cfg: ClusterConfig, *, events: Events, handle: Handle, missin
     record's addresses (a VM without a static address gets a new external IP at each start). What
     `dtrain submit` and `dtrain up` do first. Returns whether anything was started. `missing_ok`: deleted
     VMs are left to Terraform (`dtrain up` recreates them) instead of being an error."""
-    from dtrain.control.gcp.api import node_states
     from dtrain.control.gcp.instances import RUNNING, start_cluster
     from dtrain.control.gcp.record import read_record, write_record
+    from dtrain.control.gcp.vmstates import node_states
 
     rec = read_record(cfg.name)
     if rec is None:

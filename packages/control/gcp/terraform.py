@@ -96,7 +96,7 @@ _CONSTRAINT_FIX = {
 def _explain_known(text: str, ctx: Mapping[str, str]) -> tuple[str, str] | None:
     """(kind, one line with the fix) for the failures users meet, else None."""
     project = ctx.get("project", "")
-    from dtrain.control.gcp.api import is_stockout
+    from dtrain.control.gcp.errors import is_stockout
 
     if is_stockout(message=text):
         zone = ctx.get("zone", "the zone")

@@ -35,7 +35,7 @@ from dtrain.common.jobenv import STOP_GRACE_S
 if TYPE_CHECKING:
     from dtrain.control.cluster import Cluster
     from dtrain.control.events import Events, Handle
-    from dtrain.control.launch import LaunchResult
+    from dtrain.control.launch_result import LaunchResult
     from dtrain.control.program import Job
     from dtrain.control.userjob import Target
 

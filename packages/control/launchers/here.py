@@ -10,7 +10,7 @@ the run's status.json.
 from __future__ import annotations
 
 from dtrain.control.events import Events, Handle
-from dtrain.control.launch import LaunchResult
+from dtrain.control.launch_result import LaunchResult
 from dtrain.control.launchers import Plan
 
 

@@ -9,7 +9,7 @@ then Slurm's KillWait; collect: the job's state, exit code and each node's log.
 from __future__ import annotations
 
 from dtrain.control.events import Events, Handle
-from dtrain.control.launch import LaunchResult
+from dtrain.control.launch_result import LaunchResult
 from dtrain.control.launchers import Plan
 
 

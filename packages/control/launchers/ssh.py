@@ -13,7 +13,7 @@ A built-in is started as a user's program is (its module under torchrun, no work
 from __future__ import annotations
 
 from dtrain.control.events import Events, Handle
-from dtrain.control.launch import LaunchResult
+from dtrain.control.launch_result import LaunchResult
 from dtrain.control.launchers import Plan
 
 

@@ -5,7 +5,7 @@ code and no working directory. One batch step (dtrain.common.slurmstep), one nod
 
     req = ProgramRequest(job=job, flags={"run.cluster": "demo"})
     result = submit_program(req, name="lr-3e-3", events=..., handle=...)   # SubmitResult: the job id
-    result = submit_plan(builtin_plan(req, resolve(req)), events=...)      # a built-in (slurm.jobs.submit)
+    result = submit_plan(builtin_plan(req, resolve(req)), events=...)      # a built-in (slurm.submit.submit)
     result = run_program(plan, events=..., handle=...)                     # launchers.slurm, for `dtrain train`
 
 How the pieces reach the nodes:
@@ -37,7 +37,9 @@ from typing import Any
 from dtrain.common.errors import UserError
 from dtrain.common.storage import is_remote
 from dtrain.control.events import Events, Handle
-from dtrain.control.slurm.jobs import JobRecord, Session, SubmitResult, _gpus, _sbatch, _ship, _survey, attend
+from dtrain.control.slurm.attend import attend
+from dtrain.control.slurm.session import JobRecord, Session
+from dtrain.control.slurm.submit import SubmitResult, job_gpus, sbatch_job, ship_files, survey
 
 
 def submit_program(req: Any, *, name: str = "", events: Events, handle: Handle) -> SubmitResult:
@@ -85,8 +87,8 @@ def _submit(
 
     job, t, cluster, spec = plan.job, plan.target, s.cluster, s.spec
     nodes = nodes or job.nodes or spec.nodes or (len(cluster.nodes) if spec.managed else 1)
-    partition, members = _survey(s, nodes, events)
-    gpus = _gpus(s, members)
+    partition, members = survey(s, nodes, events)
+    gpus = job_gpus(s, members)
     if plan.nproc and job.program.under_torchrun:  # checked against the partition's smallest node
         cpus = min(n.cpus for n in members)
         processes(plan.nproc, gpus=gpus, cpus=cpus, oversubscribe=plan.oversubscribe, where=f"partition {partition}")
@@ -110,13 +112,13 @@ def _submit(
     )
     kind = "" if job.builtin else "program"
     rec = JobRecord("", name, job.name, t.run_id, t.run.url, job_dir, nodes, time.time(), cluster.name, kind=kind)
-    _ship(s, rec, files)
+    ship_files(s, rec, files)
     if job.workdir is not None:
         sync_workdir(
             s.ssh, t, job.workdir, sync_excludes(job, t.run.url), events, nodes=s.file_nodes,
             limit_mb=job.code_limit_mb,
         )  # fmt: skip
-    rec = _sbatch(s, rec)
+    rec = sbatch_job(s, rec)
     result = SubmitResult(rec.job_id, name, job.name, t.run_id, t.run.url, cluster.name, nodes, partition, t.resumed)
     return result, rec
 

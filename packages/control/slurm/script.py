@@ -32,7 +32,7 @@ MASTER = Node(name="__dtrain_master__", address="__dtrain_master_addr__")  # the
 
 
 @dataclasses.dataclass(frozen=True)
-class JobFiles:
+class BatchFiles:
     script: str
     job: dict[str, Any]
 
@@ -90,7 +90,7 @@ def module_files(
     run_url: str,
     job_dir: str,
     gpus_per_node: int,
-) -> JobFiles:
+) -> BatchFiles:
     """The batch script and job.json of a one-node job that runs `python -m MODULE ARGV` as one process
     through the node agent, as dtrain.control.evals runs it on a cluster's master (no torchrun). The same
     batch step; a requeued job runs the same line again. Its node log stays in the job's directory
@@ -123,7 +123,7 @@ def module_files(
         "keep_log": False,
         "max_continuations": s.max_continuations,
     }
-    return JobFiles(script=batch_script(cluster, job, nodes=1, gpus_per_node=gpus_per_node), job=job)
+    return BatchFiles(script=batch_script(cluster, job, nodes=1, gpus_per_node=gpus_per_node), job=job)
 
 
 def program_template(plan: Any, node: Node) -> dict[str, Any]:
@@ -163,7 +163,7 @@ def program_files(
     gpus_per_node: int,
     config: dict[str, Any] | None,
     time: str = "",
-) -> JobFiles:
+) -> BatchFiles:
     """The batch script and job.json of a job (`plan`: a launchers.Plan with its run: a user's program, or a
     built-in: launch.builtin_plan). job.json's `program` table says what the batch step and each node's step do
     for it (dtrain.common.slurmstep.program_started, program_spec): whether it has a working directory (a
@@ -207,7 +207,7 @@ def program_files(
             "docker": {key: node.docker for key, node in members.items()},  # with the image: each node's docker
         },
     }
-    return JobFiles(script=batch_script(cluster, job, nodes=nodes, gpus_per_node=gpus_per_node), job=job)
+    return BatchFiles(script=batch_script(cluster, job, nodes=nodes, gpus_per_node=gpus_per_node), job=job)
 
 
 def batch_script(cluster: Cluster, job: dict[str, Any], *, nodes: int, gpus_per_node: int) -> str:
