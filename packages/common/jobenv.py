@@ -59,3 +59,27 @@ COMMAND_ENV = {
     "MASTER_ADDR": MASTER_ADDR,
     "MASTER_PORT": MASTER_PORT,
 }
+
+# Experiment trackers' own settings (MLflow, Weights & Biases), passed from the launching shell to every node's
+# processes as they are, so a program that already logs to them (and the built-ins' --tracker) works unchanged on
+# every backend. dtrain reads none of them but through the trackers' libraries (dtrain.common.trackers).
+TRACKER_ENV = (
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_EXPERIMENT_NAME",
+    "MLFLOW_EXPERIMENT_ID",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_INSECURE_TLS",
+    "WANDB_MODE",
+    "WANDB_DIR",
+    "WANDB_PROJECT",
+    "WANDB_ENTITY",
+    "WANDB_BASE_URL",
+    "WANDB_API_KEY",
+    "WANDB_RUN_GROUP",
+    "WANDB_TAGS",
+)
+# Of those, the secrets: they travel to the nodes only on a launcher's stdin (the SSH launcher's job spec), and
+# are never written into a file dtrain makes (a Slurm job's job.json leaves them out: docs/user-code.md).
+SECRET_ENV = frozenset({"MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "WANDB_API_KEY"})
