@@ -14,6 +14,7 @@ here only when a tracker is asked for.
 from __future__ import annotations
 
 import os
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -25,6 +26,7 @@ from dtrain.common.storage import Store, is_remote
 
 RECORD = "trackers.json"  # in the run: {"mlflow": {"run_id", "experiment_id", "tracking_uri"}, "wandb": {...}}
 PROBE_TIMEOUT_S = 5.0  # how long the start waits to learn that an MLflow server is not there
+CLOSE_S = 30.0  # the most the run's end waits for one tracker to end its run (Trackers.close)
 DEFAULT_EXPERIMENT = "dtrain"  # MLflow's experiment and W&B's project when the environment names none
 INSTALL_HINT = "pip install 'dtrain[trackers]'"
 
@@ -139,16 +141,29 @@ class Trackers:
             self._each("log", lambda t: t.log(step, numbers))
 
     def close(self, state: str) -> None:
-        self._each("close", lambda t: t.close(state))
+        """End each tracker's run, each given at most CLOSE_S: MLflow's end waits for its queued metrics, which
+        a server that went away mid-run would keep for minutes of retries."""
+        for t in list(self._trackers):
+            closer = threading.Thread(target=self._each_of, args=([t], "close", lambda t: t.close(state)),
+                                      name=f"{t.name}-close", daemon=True)  # fmt: skip
+            closer.start()
+            closer.join(CLOSE_S)
+            if closer.is_alive():
+                self._warn(f"warning: {t.name}: its run did not end within {CLOSE_S:.0f} s; its last metrics may be "
+                           "missing there (metrics.jsonl has them all)")  # fmt: skip
         self._trackers = []
 
     def _each(self, what: str, call: Callable[[_Tracker], None]) -> None:
-        for t in list(self._trackers):
+        self._each_of(self._trackers, what, call)
+
+    def _each_of(self, trackers: list[_Tracker], what: str, call: Callable[[_Tracker], None]) -> None:
+        for t in list(trackers):
             try:
                 call(t)
             except Exception as e:  # noqa: BLE001 - a tracker never fails the run
                 self._warn(f"warning: {t.name}: {what} failed ({_one_line(e)}); no more {t.name} logging in this run")
-                self._trackers.remove(t)
+                if t in self._trackers:
+                    self._trackers.remove(t)
 
 
 def open_trackers(

@@ -54,9 +54,9 @@ def test_builtin_logs_to_mlflow_and_wandb_and_a_resume_continues_their_runs(tmp_
     pytest.importorskip("wandb", reason="needs wandb (pip install -e '.[dev]')")
     from mlflow.tracking import MlflowClient
 
-    wandb_dir = tmp_path / "wandb-files"
+    # No WANDB_DIR: W&B's files go into the run's own folder, and are checked for secrets with the rest.
     env = isolated_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server, MLFLOW_EXPERIMENT_NAME="builtin",
-                       WANDB_MODE="offline", WANDB_DIR=str(wandb_dir), WANDB_PROJECT="builtin", **SECRETS)  # fmt: skip
+                       WANDB_MODE="offline", WANDB_PROJECT="builtin", **SECRETS)  # fmt: skip
     out = tmp_path / "runs"
     first = cli(tmp_path, *MNIST, "--epochs", "1", "--data-dir", str(data), "--output", str(out),
                 "--tracker", "mlflow,wandb", env=env)  # fmt: skip
@@ -71,7 +71,7 @@ def test_builtin_logs_to_mlflow_and_wandb_and_a_resume_continues_their_runs(tmp_
     assert logged.info.status == "FINISHED"
     assert logged.data.params["epochs"] == "1" and logged.data.params["tracker"] == "mlflow,wandb"
     assert {m.step: m.value for m in client.get_metric_history(mlflow_id, "loss")} == pytest.approx(losses(run))
-    (segment,) = wandb_runs(wandb_dir)
+    (segment,) = wandb_runs(run)
     assert wandb_run_id(segment) == record["wandb"]["id"]
     assert {int(r["step"]): r["loss"] for r in wandb_history(segment) if "loss" in r} == pytest.approx(losses(run))
 
@@ -83,7 +83,7 @@ def test_builtin_logs_to_mlflow_and_wandb_and_a_resume_continues_their_runs(tmp_
     (only,) = client.search_runs([client.get_experiment_by_name("builtin").experiment_id])  # not a second run
     assert only.info.run_id == mlflow_id and only.info.status == "FINISHED"
     assert {m.step: m.value for m in client.get_metric_history(mlflow_id, "loss")} == pytest.approx(losses(run))
-    segments = wandb_runs(wandb_dir)
+    segments = wandb_runs(run)
     assert len(segments) == 2 and {wandb_run_id(s) for s in segments} == {record["wandb"]["id"]}
     later = {int(r["step"]): r["loss"] for r in wandb_history(segments[1]) if "loss" in r}
     assert later == pytest.approx({s: v for s, v in losses(run).items() if s > 4})
@@ -173,6 +173,53 @@ def test_an_unreachable_or_missing_tracker_is_one_warning_and_no_tracker(tmp_pat
         trackers.log(1, {"loss": 1.0})
         trackers.close("completed")
     assert not run.exists("trackers.json")
+
+
+def test_a_tracker_that_fails_mid_run_is_dropped_with_one_warning_and_its_end_is_bounded(monkeypatch):
+    """Trackers' own rules, with stand-in trackers (a server that goes away mid-run cannot be made to on the shared
+    session server): a log call that raises drops that tracker with one warning and the others go on; an end that
+    never returns (MLflow's flush against a lost server) costs CLOSE_S, one warning, never the run."""
+    import threading
+
+    from dtrain.common import trackers as tmod
+
+    class Recording(tmod._Tracker):
+        name = "good"
+
+        def __init__(self) -> None:
+            self.logged: list[tuple[int, dict]] = []
+            self.closed = ""
+
+        def log(self, step, values):
+            self.logged.append((step, dict(values)))
+
+        def close(self, state):
+            self.closed = state
+
+    class Broken(tmod._Tracker):
+        name = "broken"
+
+        def log(self, step, values):
+            raise ConnectionError("server went away\nsecond line")
+
+        def close(self, state):
+            threading.Event().wait()  # never returns
+
+    monkeypatch.setattr(tmod, "CLOSE_S", 0.5)
+    good, broken, warnings = Recording(), Broken(), []
+    t = tmod.Trackers([broken, good], warnings.append)
+    t.log(1, {"loss": 2.0, "epoch": 0, "note": "text", "flag": True})
+    t.log(2, {"loss": 1.5})
+    assert good.logged == [(1, {"loss": 2.0, "epoch": 0.0}), (2, {"loss": 1.5})]
+    assert t.names == ["good"]
+    assert warnings == [
+        "warning: broken: log failed (ConnectionError: server went away); no more broken logging in this run"
+    ]
+    hung = tmod.Trackers([broken], warnings.append)
+    hung.close("completed")
+    assert warnings[-1].startswith("warning: broken: its run did not end within 0 s")
+    t.close("stopped")
+    assert good.closed == "stopped" and t.names == []
 
 
 def test_an_unknown_tracker_is_a_one_line_error(tmp_path):
