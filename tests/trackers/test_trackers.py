@@ -246,3 +246,18 @@ def test_tracker_variables_travel_to_the_nodes_and_secrets_stay_out_of_slurm_job
     for value in SECRETS.values():
         assert value not in written
     assert job["specs"]["*"]["env"]["WANDB_API_KEY"] == SECRETS["WANDB_API_KEY"]  # the job itself is untouched
+
+
+def test_a_list_of_trackers_goes_to_the_workload_by_value():
+    """The launcher hands a built-in its settings as flags (config.to_argv): a list of Enums must be spelt by the
+    values the workload's parser takes (it wrote `Tracker.MLFLOW`), and saved so in config.json (flatten)."""
+    from dtrain.common import config as cfgmod
+    from dtrain.common.choices import Tracker
+    from dtrain.mnist.config import MnistConfig
+
+    argv = cfgmod.to_argv({"tracker": [Tracker.MLFLOW, Tracker.WANDB]})
+    assert argv == ["--tracker", "mlflow,wandb"]
+    parsed = cfgmod.parse_explicit(MnistConfig, argv, prog="p", description="d")
+    cfg = cfgmod.build(MnistConfig, parsed)
+    assert cfg.run.tracker == [Tracker.MLFLOW, Tracker.WANDB]
+    assert json.dumps(cfgmod.flatten(cfg)["tracker"]) == '["mlflow", "wandb"]'
