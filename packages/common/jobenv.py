@@ -27,6 +27,9 @@ MASTER_PORT = "DTRAIN_MASTER_PORT"  # a free port on the master, for the job's o
 # A node-local directory: each rank's heartbeat, <dir>/rank-<RANK> = "<step> <unix time>", written by
 # dtrain.sdk.log(step=...) at most once a second; the node agent reads it to find hung ranks (docs/hangs.md).
 PROGRESS_DIR = "DTRAIN_PROGRESS_DIR"
+# The trackers `dtrain.sdk.log` also reports to ("mlflow,wandb"): the run's `tracker` setting (DTRAIN_TRACKER,
+# [run] tracker), which the launcher puts in a program's job environment (docs/trackers.md).
+TRACKERS = "DTRAIN_TRACKERS"
 
 # A stop (cancel, preemption, a time limit's warning, a lost launcher) is SIGTERM and the stop file, then this
 # long before SIGKILL: torchrun gives its workers 30 s after SIGTERM, and GCE gives a Spot VM about 30 s. Every
@@ -48,6 +51,7 @@ ALL = frozenset(
         MASTER_ADDR,
         MASTER_PORT,
         PROGRESS_DIR,
+        TRACKERS,
     }
 )
 

@@ -13,8 +13,10 @@ here only when a tracker is asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -42,38 +44,55 @@ class _Tracker:
 
 
 class _MLflow(_Tracker):
-    """One MLflow run per dtrain run. Metrics go through MLflow's asynchronous logging, so a slow or lost
-    server never holds a training step up."""
+    """One MLflow run per dtrain run, through MlflowClient rather than mlflow's fluent API, so a program that also
+    calls `mlflow.start_run()` itself (through the SDK) keeps its own active run. Metrics go through MLflow's
+    asynchronous logging, so a slow or lost server never holds a training step up."""
 
     name = "mlflow"
 
-    def __init__(self, run: Store, run_id: str, workload: str, params: Mapping[str, Any], saved: dict | None):
-        import mlflow
+    def __init__(self, where: Where, params: Mapping[str, Any], saved: dict | None):
+        from mlflow.tracking import MlflowClient
 
         uri = os.environ.get("MLFLOW_TRACKING_URI", "")
         if not uri:
             raise _Unusable("MLFLOW_TRACKING_URI is not set (the tracking server's URL, e.g. http://host:5000)")
         if uri.startswith(("http://", "https://")):
             _probe(uri)
-        self._mlflow = mlflow
-        mlflow.set_tracking_uri(uri)
+        self._client = client = MlflowClient(uri)
         if saved and saved.get("run_id"):  # a resume: the same MLflow run, RUNNING again
-            active = mlflow.start_run(run_id=saved["run_id"])
+            self.run_id = saved["run_id"]
+            client.update_run(self.run_id, status="RUNNING")
+            experiment_id = client.get_run(self.run_id).info.experiment_id
         else:
-            if not os.environ.get("MLFLOW_EXPERIMENT_ID"):
-                mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT)
-            active = mlflow.start_run(
-                run_name=run_id, tags={"dtrain.run_id": run_id, "dtrain.run_url": run.url, "dtrain.workload": workload}
+            experiment_id = os.environ.get("MLFLOW_EXPERIMENT_ID") or _experiment(
+                client, os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
             )
-            mlflow.log_params({k: _param(v) for k, v in params.items()})
-        self.record = {"run_id": active.info.run_id, "experiment_id": active.info.experiment_id, "tracking_uri": uri}
+            tags = {"dtrain.run_id": where.run_id, "dtrain.run_url": where.run_url, "dtrain.workload": where.workload}
+            self.run_id = client.create_run(experiment_id, run_name=where.run_id, tags=tags).info.run_id
+            if params:
+                from mlflow.entities import Param
+
+                client.log_batch(self.run_id, params=[Param(k, _param(v)) for k, v in params.items()])
+        self.record = {"run_id": self.run_id, "experiment_id": experiment_id, "tracking_uri": uri}
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
-        self._mlflow.log_metrics(dict(values), step=step, synchronous=False)
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for k, v in values.items()]
+        self._client.log_batch(self.run_id, metrics=metrics, synchronous=False)
 
     def close(self, state: str) -> None:
+        import mlflow
+
+        mlflow.flush_async_logging()  # the queued metrics first, then the end
         status = {"completed": "FINISHED", "failed": "FAILED"}.get(state, "KILLED")
-        self._mlflow.end_run(status=status)
+        self._client.set_terminated(self.run_id, status=status)
+
+
+def _experiment(client: Any, name: str) -> str:
+    found = client.get_experiment_by_name(name)
+    return found.experiment_id if found is not None else client.create_experiment(name)
 
 
 class _Wandb(_Tracker):
@@ -82,27 +101,19 @@ class _Wandb(_Tracker):
 
     name = "wandb"
 
-    def __init__(self, run: Store, run_id: str, workload: str, params: Mapping[str, Any], saved: dict | None):
+    def __init__(self, where: Where, params: Mapping[str, Any], saved: dict | None):
         import wandb
 
-        # WANDB_DIR wins; else the run's own folder when it is on this disk, else this machine's cache.
-        if os.environ.get("WANDB_DIR"):
-            directory = os.environ["WANDB_DIR"]
-        elif is_remote(run.url):
-            from dtrain.common import env as envmod
-
-            directory = str(envmod.cache_dir() / "wandb" / run_id)
-        else:
-            directory = run.url
+        directory = os.environ.get("WANDB_DIR") or where.files_dir
         os.makedirs(directory, exist_ok=True)
         self._run = wandb.init(
             project=os.environ.get("WANDB_PROJECT") or DEFAULT_EXPERIMENT,
             dir=directory,
-            name=run_id,
+            name=where.run_id,
             id=(saved or {}).get("id") or None,
             resume="allow" if saved else None,
             config=dict(params),
-            tags=[workload],
+            tags=[where.workload],
             reinit="create_new",
         )
         self._run.define_metric("*", step_metric="step")
@@ -166,16 +177,35 @@ class Trackers:
                     self._trackers.remove(t)
 
 
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """What the trackers' runs are named after, and where W&B's files go unless WANDB_DIR says."""
+
+    run_id: str
+    run_url: str
+    workload: str
+    files_dir: str
+
+
+def for_run(run: Store, run_id: str, workload: str) -> Where:
+    """A built-in's: W&B's files in the run's own folder when it is on this disk, else in this machine's cache."""
+    if is_remote(run.url):
+        from dtrain.common import env as envmod
+
+        return Where(run_id, run.url, workload, str(envmod.cache_dir() / "wandb" / run_id))
+    return Where(run_id, run.url, workload, run.url)
+
+
 def open_trackers(
-    kinds: list[Tracker], *, run: Store, run_id: str, workload: str, params: Mapping[str, Any], warn: Warn
+    kinds: list[Tracker], *, record: Store, where: Where, params: Mapping[str, Any], warn: Warn
 ) -> Trackers:
-    """The trackers asked for, each started (or, when the run's trackers.json names its run, resumed), and their
-    run ids written to trackers.json. One that cannot start is a warning and is left out."""
-    saved = (read_json(run, RECORD) or {}) if kinds else {}
+    """The trackers asked for, each started (or, when `record`'s trackers.json names its run, resumed), and their
+    run ids written to that trackers.json. One that cannot start is a warning and is left out."""
+    saved = (read_json(record, RECORD) or {}) if kinds else {}
     started: list[_Tracker] = []
     for kind in dict.fromkeys(kinds):
         try:
-            tracker = _start(kind, run, run_id, workload, params, saved.get(kind.value))
+            tracker = _start(kind, where, params, saved.get(kind.value))
         except _Unusable as e:
             warn(f"warning: {kind.value}: {e}; training goes on without it")
             continue
@@ -186,18 +216,18 @@ def open_trackers(
         saved[kind.value] = tracker.record  # type: ignore[attr-defined]
     if started:
         try:
-            write_json(run, RECORD, saved)
+            write_json(record, RECORD, saved)
         except Exception as e:  # noqa: BLE001 - a resume would then start new tracker runs: say so
             warn(f"warning: {RECORD} not written ({_one_line(e)}); a resume will start new tracker runs")
     return Trackers(started, warn)
 
 
-def _start(kind: Tracker, run: Store, run_id: str, workload: str, params: Mapping[str, Any], saved: dict | None):
+def _start(kind: Tracker, where: Where, params: Mapping[str, Any], saved: dict | None) -> _Tracker:
     try:
         __import__(_MODULES[kind])
     except ImportError:
         raise _Unusable(f"{_MODULES[kind]} is not installed ({INSTALL_HINT})") from None
-    return _KINDS[kind](run, run_id, workload, params, saved)
+    return _KINDS[kind](where, params, saved)
 
 
 def _probe(uri: str) -> None:
@@ -224,4 +254,4 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
-__all__ = ["RECORD", "Trackers", "open_trackers"]
+__all__ = ["RECORD", "Trackers", "Where", "for_run", "open_trackers"]

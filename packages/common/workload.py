@@ -261,9 +261,9 @@ def _context(workload: str, cfg: Any, d: Dist, run: Store, run_id: str, *, resum
         tb_sync=run.child("tensorboard") if remote else None,
     )
     if d.is_main and cfg.run.tracker:
-        from dtrain.common.trackers import open_trackers
+        from dtrain.common.trackers import for_run, open_trackers
 
-        report.trackers = open_trackers(cfg.run.tracker, run=run, run_id=run_id, workload=workload,
+        report.trackers = open_trackers(cfg.run.tracker, record=run, where=for_run(run, run_id, workload),
                                         params=cfgmod.flatten(cfg), warn=report.info)  # fmt: skip
     precision = resolve_precision(cfg.run.precision, d.device)
     precision.configure()

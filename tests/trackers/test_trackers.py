@@ -90,6 +90,20 @@ def test_builtin_logs_to_mlflow_and_wandb_and_a_resume_continues_their_runs(tmp_
     assert_no_secret(run, tmp_path / "cache")
 
 
+def program_project(
+    tmp_path: Path, program: str, mlflow_server: str, experiment: str, **extra: str
+) -> tuple[Path, Path, dict[str, str]]:
+    """A project folder with `program` as train.py; the folder W&B writes to; the environment of a user who set
+    the trackers' variables (and their API keys) in their shell."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(program)
+    wandb_dir = tmp_path / "wandb-files"
+    env = isolated_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server, MLFLOW_EXPERIMENT_NAME=experiment,
+                       WANDB_MODE="offline", WANDB_DIR=str(wandb_dir), **SECRETS, **extra)  # fmt: skip
+    return project, wandb_dir, env
+
+
 USER_PROGRAM = """\
 import os
 
@@ -117,13 +131,8 @@ def test_a_users_own_mlflow_and_wandb_code_works_under_dtrain_train(tmp_path, ml
     Nothing dtrain writes holds an API key."""
     from mlflow.tracking import MlflowClient
 
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "train.py").write_text(USER_PROGRAM)
-    wandb_dir = tmp_path / "wandb-files"
-    env = isolated_env(tmp_path, MLFLOW_TRACKING_URI=mlflow_server, MLFLOW_EXPERIMENT_NAME="user-program",
-                       WANDB_MODE="offline", WANDB_DIR=str(wandb_dir), WANDB_PROJECT="user-project",
-                       **SECRETS)  # fmt: skip
+    project, wandb_dir, env = program_project(tmp_path, USER_PROGRAM, mlflow_server, "user-program",
+                                              WANDB_PROJECT="user-project")  # fmt: skip
     result = cli(project, "train", "train.py", "--nproc", "2", "--output", str(tmp_path / "runs"), env=env)
     assert result.code == ExitCode.OK, result.err
     run = run_dir(tmp_path / "runs")
@@ -137,6 +146,44 @@ def test_a_users_own_mlflow_and_wandb_code_works_under_dtrain_train(tmp_path, ml
     (segment,) = wandb_runs(wandb_dir)
     assert [r["user_loss"] for r in wandb_history(segment) if "user_loss" in r] == pytest.approx([1.0, 0.5, 1 / 3])
     assert any(r.run.project == "user-project" for r in _records(segment))
+    assert_no_secret(run, tmp_path / "cache", project)
+
+
+SDK_PROGRAM = """\
+from dtrain import sdk
+
+first = 3 * sdk.restart_count()
+for step in range(first, first + 3):
+    sdk.log(step, sdk_loss=1.0 / (step + 1))
+"""
+
+
+@pytest.mark.slow  # two CLI runs of a user's program: see docs/decisions.md, "Trackers", for its duration
+def test_sdk_log_reports_to_the_trackers_and_a_resume_continues_their_runs(tmp_path, mlflow_server):
+    """DTRAIN_TRACKER=mlflow,wandb with a user's program that calls only `sdk.log`: its metrics reach the MLflow
+    server and W&B's offline files; `dtrain train --resume` (a second start, steps 3-5) logs into the same MLflow
+    run and the same W&B run id, found in trackers.json, which dtrain copied with the checkpoint directory."""
+    from mlflow.tracking import MlflowClient
+
+    project, wandb_dir, env = program_project(tmp_path, SDK_PROGRAM, mlflow_server, "sdk",
+                                              DTRAIN_TRACKER="mlflow,wandb")  # fmt: skip
+    out = tmp_path / "runs"
+    first = cli(project, "train", "train.py", "--nproc", "1", "--output", str(out), env=env)
+    assert first.code == ExitCode.OK, first.err
+    run = run_dir(out)
+    env.pop("DTRAIN_TRACKER")  # a resume keeps the run's own trackers
+    again = cli(project, "train", "--resume", str(run), env=env)
+    assert again.code == ExitCode.OK, again.err
+
+    client = MlflowClient(mlflow_server)
+    (logged,) = client.search_runs([client.get_experiment_by_name("sdk").experiment_id])
+    assert logged.info.run_name == run.name and logged.info.status == "FINISHED"
+    history = {m.step: m.value for m in client.get_metric_history(logged.info.run_id, "sdk_loss")}
+    assert history == pytest.approx({s: 1.0 / (s + 1) for s in range(6)})
+    segments = wandb_runs(wandb_dir)
+    assert len(segments) == 2 and len({wandb_run_id(s) for s in segments}) == 1
+    rows = [r for s in segments for r in wandb_history(s) if "sdk_loss" in r]
+    assert {int(r["step"]): r["sdk_loss"] for r in rows} == pytest.approx({s: 1.0 / (s + 1) for s in range(6)})
     assert_no_secret(run, tmp_path / "cache", project)
 
 
@@ -155,7 +202,7 @@ def test_an_unreachable_or_missing_tracker_is_one_warning_and_no_tracker(tmp_pat
 
     from dtrain.common.choices import Tracker
     from dtrain.common.storage import open_store
-    from dtrain.common.trackers import open_trackers
+    from dtrain.common.trackers import for_run, open_trackers
 
     run = open_store(str(tmp_path / "run"))
     for uri, expected in ((f"http://127.0.0.1:{free_port()}", "no tracking server answers at http://127.0.0.1:"),
@@ -165,7 +212,7 @@ def test_an_unreachable_or_missing_tracker_is_one_warning_and_no_tracker(tmp_pat
         else:
             monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
         warnings: list[str] = []
-        trackers = open_trackers([Tracker.MLFLOW], run=run, run_id="r", workload="mnist", params={},
+        trackers = open_trackers([Tracker.MLFLOW], record=run, where=for_run(run, "r", "mnist"), params={},
                                  warn=warnings.append)  # fmt: skip
         assert trackers.names == []
         assert len(warnings) == 1 and warnings[0].startswith("warning: mlflow: ") and expected in warnings[0]
