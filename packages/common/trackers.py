@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import threading
 import time
 import urllib.error
@@ -45,8 +46,7 @@ class _Tracker:
 
 class _MLflow(_Tracker):
     """One MLflow run per dtrain run, through MlflowClient rather than mlflow's fluent API, so a program that also
-    calls `mlflow.start_run()` itself (through the SDK) keeps its own active run. Metrics go through MLflow's
-    asynchronous logging, so a slow or lost server never holds a training step up."""
+    calls `mlflow.start_run()` itself (through the SDK) keeps its own active run."""
 
     name = "mlflow"
 
@@ -74,20 +74,38 @@ class _MLflow(_Tracker):
 
                 client.log_batch(self.run_id, params=[Param(k, _param(v)) for k, v in params.items()])
         self.record = {"run_id": self.run_id, "experiment_id": experiment_id, "tracking_uri": uri}
+        # Metrics go out from a thread of their own, in order, so a slow or lost server never holds a training
+        # step up; close() waits for them. (MlflowClient's synchronous=False queue is the fluent API's to flush.)
+        self._queue: queue.Queue[list[Any] | None] = queue.Queue()
+        self._error: Exception | None = None
+        self._sender = threading.Thread(target=self._send, name="mlflow-log", daemon=True)
+        self._sender.start()
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
 
+        if self._error is not None:
+            raise self._error
         now = int(time.time() * 1000)
-        metrics = [Metric(k, v, now, step) for k, v in values.items()]
-        self._client.log_batch(self.run_id, metrics=metrics, synchronous=False)
+        self._queue.put([Metric(k, v, now, step) for k, v in values.items()])
+
+    def _send(self) -> None:
+        """The sender thread: each batch in order, until close()'s None; the first failure stops it and is raised
+        by the next log() (Trackers then drops this tracker with a warning)."""
+        while (metrics := self._queue.get()) is not None:
+            try:
+                self._client.log_batch(self.run_id, metrics=metrics)
+            except Exception as e:  # noqa: BLE001 - reported by log() or close()
+                self._error = e
+                return
 
     def close(self, state: str) -> None:
-        import mlflow
-
-        mlflow.flush_async_logging()  # the queued metrics first, then the end
+        self._queue.put(None)
+        self._sender.join()  # every batch sent first (Trackers.close bounds the wait)
         status = {"completed": "FINISHED", "failed": "FAILED"}.get(state, "KILLED")
         self._client.set_terminated(self.run_id, status=status)
+        if self._error is not None:
+            raise self._error
 
 
 def _experiment(client: Any, name: str) -> str:

@@ -150,7 +150,10 @@ def _open_trackers() -> Any:
     def close() -> None:
         # An uncaught exception left sys.last_value (the default excepthook sets it before exit handlers run).
         failed = getattr(sys, "last_value", None) is not None
-        trackers.close("failed" if failed else "stopped" if stop_requested() else "completed")
+        try:
+            trackers.close("failed" if failed else "stopped" if stop_requested() else "completed")
+        except Exception as e:  # noqa: BLE001 - the program's exit is not the trackers' to spoil
+            warn(f"warning: dtrain.sdk: trackers not closed ({type(e).__name__}: {e})")
 
     atexit.register(close)
     return trackers
