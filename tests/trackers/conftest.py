@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from dtrain.common.procs import dies_with_parent
+
 SERVER_START_S = 90.0  # a cold `mlflow server` imports a lot; on a busy 2-core machine it has taken ~20 s
 
 
@@ -31,10 +33,15 @@ def mlflow_server(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("mlflow")
     port = free_port()
     log = open(root / "server.log", "wb")  # noqa: SIM115 - closed at teardown
+    # No job execution: MLflow 3 otherwise starts a job runner and seven huey consumers beside the server, which
+    # tracking does not use. The server dies with this process (a killed pytest leaves no server behind) and
+    # passes the signal on to its uvicorn worker.
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--default-artifact-root", str(root / "artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+        preexec_fn=dies_with_parent(signal.SIGTERM),
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + SERVER_START_S
