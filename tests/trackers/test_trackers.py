@@ -282,13 +282,16 @@ def test_tracker_variables_travel_to_the_nodes_and_secrets_stay_out_of_slurm_job
     a file on the cluster, keeps the non-secret ones and never an API key (HF_TOKEN stays, as decided before)."""
     from dtrain.common import jobenv
     from dtrain.control.remote import FORWARD_ENV
-    from dtrain.control.slurm.script import JobFiles
+    from dtrain.control.slurm import script
+
+    # The class of a Slurm job's files: BatchFiles on main since its split of slurm/jobs.py, JobFiles before.
+    files = getattr(script, "BatchFiles", None) or script.JobFiles
 
     assert set(jobenv.TRACKER_ENV) <= set(FORWARD_ENV)
     assert set(jobenv.TRACKER_ENV) >= jobenv.SECRET_ENV
     env = {"MLFLOW_TRACKING_URI": "http://mlflow:5000", "HF_TOKEN": "hf-kept", **SECRETS}
     job = {"specs": {"*": {"env": dict(env), "inner": {"env": dict(env)}}}, "name": "x"}
-    written = JobFiles(script="", job=job).job_json().decode()
+    written = files(script="", job=job).job_json().decode()
     assert "http://mlflow:5000" in written and "hf-kept" in written
     for value in SECRETS.values():
         assert value not in written
