@@ -17,3 +17,10 @@ class Backend(str, enum.Enum):
     AUTO = "auto"
     NCCL = "nccl"
     GLOO = "gloo"
+
+
+class Tracker(str, enum.Enum):
+    """An experiment tracker a built-in logs to (dtrain.common.trackers)."""
+
+    MLFLOW = "mlflow"
+    WANDB = "wandb"

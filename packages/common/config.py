@@ -16,7 +16,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from dtrain.common.choices import Backend, Precision
+from dtrain.common.choices import Backend, Precision, Tracker
 from dtrain.common.errors import UserError
 
 DEFAULT_OUTPUT = "runs"  # where runs go when neither --output nor the settings say: ./runs/<run-id>/
@@ -54,10 +54,14 @@ class RunConfig:
     keep_checkpoints: int = opt(3, "how many complete checkpoints to keep")
     log_every: int = opt(20, "write a metrics line every N steps")
     dist_timeout: float = opt(300.0, "seconds a collective may wait for a peer before failing")
+    tracker: list[Tracker] = opt(
+        [], "experiment trackers rank 0 also logs to: mlflow, wandb (set up by their own MLFLOW_*/WANDB_* variables)"
+    )
 
     def __post_init__(self) -> None:
         self.precision = Precision(self.precision)
         self.backend = Backend(self.backend)
+        self.tracker = [Tracker(t) for t in self.tracker]
         if not self.output:
             raise ValueError("output: must not be empty")
         for name in ("checkpoint_every", "log_every", "keep_checkpoints"):
@@ -202,8 +206,15 @@ def flatten(cfg: Any) -> dict[str, Any]:
         if dataclasses.is_dataclass(v):
             out.update(flatten(v))
         else:
-            out[f.name] = v.value if isinstance(v, enum.Enum) else v
+            out[f.name] = _plain(v)
     return out
+
+
+def _plain(v: Any) -> Any:
+    """A value as JSON and the command line spell it: an enum as its value, in a list too."""
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v.value if isinstance(v, enum.Enum) else v
 
 
 def flag(key: str) -> str:
@@ -217,7 +228,7 @@ def to_argv(values: Mapping[str, Any]) -> list[str]:
         if isinstance(v, bool):
             argv.append(flag(key) if v else "--no-" + key.replace("_", "-"))
         elif isinstance(v, (list, tuple)):
-            argv += [flag(key), ",".join(str(x) for x in v)]
+            argv += [flag(key), ",".join(str(_plain(x)) for x in v)]
         else:
             argv += [flag(key), str(v.value if isinstance(v, enum.Enum) else v)]
     return argv

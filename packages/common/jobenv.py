@@ -27,6 +27,9 @@ MASTER_PORT = "DTRAIN_MASTER_PORT"  # a free port on the master, for the job's o
 # A node-local directory: each rank's heartbeat, <dir>/rank-<RANK> = "<step> <unix time>", written by
 # dtrain.sdk.log(step=...) at most once a second; the node agent reads it to find hung ranks (docs/hangs.md).
 PROGRESS_DIR = "DTRAIN_PROGRESS_DIR"
+# The trackers `dtrain.sdk.log` also reports to ("mlflow,wandb"): the run's `tracker` setting (DTRAIN_TRACKER,
+# [run] tracker), which the launcher puts in a program's job environment (docs/trackers.md).
+TRACKERS = "DTRAIN_TRACKERS"
 
 # A stop (cancel, preemption, a time limit's warning, a lost launcher) is SIGTERM and the stop file, then this
 # long before SIGKILL: torchrun gives its workers 30 s after SIGTERM, and GCE gives a Spot VM about 30 s. Every
@@ -48,6 +51,7 @@ ALL = frozenset(
         MASTER_ADDR,
         MASTER_PORT,
         PROGRESS_DIR,
+        TRACKERS,
     }
 )
 
@@ -59,3 +63,27 @@ COMMAND_ENV = {
     "MASTER_ADDR": MASTER_ADDR,
     "MASTER_PORT": MASTER_PORT,
 }
+
+# Experiment trackers' own settings (MLflow, Weights & Biases), passed from the launching shell to every node's
+# processes as they are, so a program that already logs to them (and the built-ins' --tracker) works unchanged on
+# every backend. dtrain reads none of them but through the trackers' libraries (dtrain.common.trackers).
+TRACKER_ENV = (
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_EXPERIMENT_NAME",
+    "MLFLOW_EXPERIMENT_ID",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_INSECURE_TLS",
+    "WANDB_MODE",
+    "WANDB_DIR",
+    "WANDB_PROJECT",
+    "WANDB_ENTITY",
+    "WANDB_BASE_URL",
+    "WANDB_API_KEY",
+    "WANDB_RUN_GROUP",
+    "WANDB_TAGS",
+)
+# Of those, the secrets: they travel to the nodes only on a launcher's stdin (the SSH launcher's job spec), and
+# are never written into a file dtrain makes (a Slurm job's job.json leaves them out: docs/user-code.md).
+SECRET_ENV = frozenset({"MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "WANDB_API_KEY"})

@@ -1,4 +1,5 @@
-"""Rank-0 reporting: metrics.jsonl, events.jsonl, TensorBoard, and the console (a rich progress bar and
+"""Rank-0 reporting: metrics.jsonl, events.jsonl, TensorBoard, experiment trackers (dtrain.common.trackers),
+and the console (a rich progress bar and
 a few summary lines). On other ranks every method does nothing, so training code calls them without
 `if rank == 0`.
 
@@ -18,10 +19,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dtrain.common import env as envmod
+from dtrain.common.errors import Preempted
 from dtrain.common.storage import Store, is_remote
+
+if TYPE_CHECKING:
+    from dtrain.common.trackers import Trackers
 
 # Read by the SSH launcher (dtrain.control.remote). STX, since \x1e would be a line break to str.splitlines.
 PROGRESS_PREFIX = "\x02dtrain-progress "
@@ -42,6 +47,7 @@ class Reporter:
         tb_dir: str | None = None,
         tb_sync: Store | None = None,
         resume: bool = False,
+        trackers: Trackers | None = None,
     ) -> None:
         """`tb_dir`: where TensorBoard writes (local); `tb_sync`: where its files are copied to (the run's
         tensorboard/ in a bucket), None when tb_dir is already in the run."""
@@ -54,6 +60,7 @@ class Reporter:
         self._tb_dir = tb_dir
         self._tb_sync = tb_sync
         self._tb_sizes: dict[str, int] = {}
+        self.trackers = trackers
         self._progress = None
         self._task = None
         self._t0 = time.monotonic()
@@ -134,6 +141,8 @@ class Reporter:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     self._tb.add_scalar(k, v, step)
+        if self.trackers is not None:
+            self.trackers.log(step, values)
         if self.store is not None and not is_remote(self.store.url):
             self._write_pending()
 
@@ -192,6 +201,11 @@ class Reporter:
                 self.flush()
 
     def close(self) -> None:
+        """Called from a `finally:`: an exception on its way out tells the trackers how the run ended."""
+        if self.trackers is not None:
+            ending = sys.exc_info()[1]
+            self.trackers.close("completed" if ending is None else "failed" if _failure(ending) else "stopped")
+            self.trackers = None
         self._stop.set()
         if self._flusher is not None:
             self._flusher.join(timeout=FLUSH_EVERY_S + 60)
@@ -219,6 +233,11 @@ def record_event(run: Store, step: int | None, kind: str, message: str, **fields
     row = {"time": round(time.time(), 3), "step": step, "event": kind, "message": message, **fields}
     with contextlib.suppress(Exception):
         run.append_bytes(EVENTS, (json.dumps(row, default=str) + "\n").encode())
+
+
+def _failure(e: BaseException) -> bool:
+    """An exception that ends a run as failed, not stopped (preempted, interrupted): the trackers' end state."""
+    return not isinstance(e, (Preempted, KeyboardInterrupt))
 
 
 def _row(line: str) -> dict[str, Any] | None:

@@ -260,6 +260,11 @@ def _context(workload: str, cfg: Any, d: Dist, run: Store, run_id: str, *, resum
         tb_dir=str(envmod.cache_dir() / "tensorboard" / run_id) if remote else os.path.join(run.url, "tensorboard"),
         tb_sync=run.child("tensorboard") if remote else None,
     )
+    if d.is_main and cfg.run.tracker:
+        from dtrain.common.trackers import for_run, open_trackers
+
+        report.trackers = open_trackers(cfg.run.tracker, record=run, where=for_run(run, run_id, workload),
+                                        params=cfgmod.flatten(cfg), warn=report.info)  # fmt: skip
     precision = resolve_precision(cfg.run.precision, d.device)
     precision.configure()
     ifnames = "".join(f", {k}={v}" for k, v in d.env.socket_ifnames.items())

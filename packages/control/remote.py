@@ -62,7 +62,9 @@ PORT_CHECK_TIMEOUT_S = 5.0
 LOG_SYNC_S = 2.0  # a node's lines reach the run's logs/ at least this often (and at the end)
 JOB_ENDED = "dtrain: job ended"  # the last line of each node's log for one launch of the job
 # Passed to the job on every node when set here (over stdin, never on a command line or in a log).
-FORWARD_ENV = ("STORAGE_EMULATOR_HOST", "HF_TOKEN", "HF_HUB_OFFLINE", "DTRAIN_OFFLINE", "HF_ENDPOINT")
+# The experiment trackers' settings go too (jobenv.TRACKER_ENV), so a program's own MLflow/W&B code works as here.
+FORWARD_ENV = ("STORAGE_EMULATOR_HOST", "HF_TOKEN", "HF_HUB_OFFLINE", "DTRAIN_OFFLINE", "HF_ENDPOINT",
+               *jobenv.TRACKER_ENV)  # fmt: skip
 DOCKER_CHECK_TIMEOUT_S = 60
 PULL_TIMEOUT_S = 1800  # a multi-GB CUDA image over a slow link
 # Container mode: what each node mounts, relative to its workdir (created by the agent), and where.

@@ -234,6 +234,9 @@ def program_plan(req: ProgramRequest) -> Any:
                 f"{len(cluster.nodes)} node(s)"
             )
         cluster = dataclasses.replace(cluster, nodes=cluster.nodes[: job.nodes])
+    if settings.run.tracker and jobenv.TRACKERS not in job.env:  # what dtrain.sdk.log reports to: docs/trackers.md
+        names = ",".join(k.value for k in settings.run.tracker)
+        job = dataclasses.replace(job, env={**job.env, jobenv.TRACKERS: names})
     t = program_target(job, output, settings.run.run_id, settings.run.resume)
     return launchers.Plan(
         job=job,

@@ -55,6 +55,7 @@ _sigterm_received = False
 _stop_seen = False
 _stop_checked_at = -math.inf
 _beat_at = -math.inf
+_trackers: Any = None  # dtrain.common.trackers.Trackers once log() opened them; False if that failed
 
 
 def in_dtrain() -> bool:
@@ -84,9 +85,10 @@ def is_main_process() -> bool:
 
 def log(step: int | None = None, **metrics: SupportsFloat) -> None:
     """Appends `{"step": step, "time": <unix time>, **metrics}` as one JSON line to the run's metrics,
-    on the main process only; does nothing outside dtrain. With a step, on every rank, it is also the
-    rank's heartbeat: dtrain takes a rank whose step stops moving for the hang timeout for hung
-    (docs/hangs.md), so call it on every rank, every step or every few.
+    on the main process only; does nothing outside dtrain. With a step and the run's `tracker` setting
+    (DTRAIN_TRACKER=mlflow,wandb), the same values also go to those trackers (docs/trackers.md).
+    With a step, on every rank, it is also the rank's heartbeat: dtrain takes a rank whose step stops
+    moving for the hang timeout for hung (docs/hangs.md), so call it on every rank, every step or every few.
 
     Values are numbers: Python numbers, numpy scalars or 0-d tensors (anything float() takes).
     A non-finite value (NaN, inf) is written as null. A value that is not a number raises ValueError;
@@ -105,6 +107,56 @@ def log(step: int | None = None, **metrics: SupportsFloat) -> None:
             f.write(line)
     except OSError as e:
         _warn_once(f"dtrain.sdk: cannot write metrics to {path} ({e.strerror or e}); metrics are not recorded")
+    if step is not None and os.environ.get(jobenv.TRACKERS):
+        _track(int(step), {k: v for k, v in record.items() if k not in ("step", "time") and v is not None})
+
+
+def _track(step: int, metrics: dict[str, Any]) -> None:
+    """The metrics to the trackers the run was given (DTRAIN_TRACKERS: MLflow, W&B; docs/trackers.md), opened
+    at the first call. Their run ids are kept in the checkpoint directory's trackers.json, which dtrain copies
+    with the checkpoints and puts back on a resume, so a resumed job goes on in the same tracker runs. Never
+    raises: a tracker that cannot be used is one warning (dtrain.common.trackers)."""
+    global _trackers
+    if _trackers is None:
+        _trackers = False  # one try per process
+        try:
+            _trackers = _open_trackers()
+        except Exception as e:  # noqa: BLE001 - a tracker never stops training
+            print(f"warning: dtrain.sdk: trackers not started ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+    if _trackers:
+        _trackers.log(step, metrics)
+
+
+def _open_trackers() -> Any:
+    import atexit
+
+    from dtrain.common.choices import Tracker
+    from dtrain.common.storage import open_store
+    from dtrain.common.trackers import Where, open_trackers
+
+    def warn(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    kinds = []
+    for name in os.environ.get(jobenv.TRACKERS, "").split(","):
+        if name.strip():
+            try:
+                kinds.append(Tracker(name.strip()))
+            except ValueError:
+                warn(f"warning: dtrain.sdk: unknown tracker {name.strip()!r} in {jobenv.TRACKERS}; left out")
+    where = Where(run_id() or "", os.environ.get(jobenv.RUN_URL, ""), "program", os.getcwd())
+    trackers = open_trackers(kinds, record=open_store(str(checkpoint_dir())), where=where, params={}, warn=warn)
+
+    def close() -> None:
+        # An uncaught exception left sys.last_value (the default excepthook sets it before exit handlers run).
+        failed = getattr(sys, "last_value", None) is not None
+        try:
+            trackers.close("failed" if failed else "stopped" if stop_requested() else "completed")
+        except Exception as e:  # noqa: BLE001 - the program's exit is not the trackers' to spoil
+            warn(f"warning: dtrain.sdk: trackers not closed ({type(e).__name__}: {e})")
+
+    atexit.register(close)
+    return trackers
 
 
 def checkpoint_dir() -> Path:

@@ -5,7 +5,7 @@ node, and on every node of a cluster whose nodes have disks of their own):
     job.json    what every node runs: the node agent's job spec for each node with placeholders that only
                 the allocation can fill in (addresses, the first node, processes per node), and the
                 `program` table the batch step reads. Holds the job's environment (HF_TOKEN if set):
-                written 0600, like an SSH key
+                written 0600, like an SSH key; never the trackers' API keys (jobenv.SECRET_ENV)
     slurm.sh    the batch script: #SBATCH options, then dtrain.common.slurmstep's batch step
 
 A job (program_files) is a user's program or a built-in, as the SSH launcher runs it: its spec is
@@ -37,7 +37,25 @@ class BatchFiles:
     job: dict[str, Any]
 
     def job_json(self) -> bytes:
-        return (json.dumps(self.job, indent=1, sort_keys=True) + "\n").encode()
+        """job.json's bytes: the job less the trackers' secrets (jobenv.SECRET_ENV), which a file never holds."""
+        return (json.dumps(_without_secrets(self.job), indent=1, sort_keys=True) + "\n").encode()
+
+
+def _without_secrets(value: Any) -> Any:
+    """`value` with every "env" table, at any depth (each node's spec, a container's inner one), less the
+    names in jobenv.SECRET_ENV."""
+    from dtrain.common.jobenv import SECRET_ENV
+
+    if isinstance(value, dict):
+        return {
+            k: {n: x for n, x in v.items() if n not in SECRET_ENV}
+            if k == "env" and isinstance(v, dict)
+            else _without_secrets(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_without_secrets(v) for v in value]
+    return value
 
 
 def node_template(cluster: Cluster, node: Node, **spec_args: Any) -> dict[str, Any]:
