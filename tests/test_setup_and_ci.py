@@ -82,14 +82,16 @@ STRICT_PROBE = textwrap.dedent(
         pytest.skip({reason!r})
     """
 )
-CI_ENV = ("DTRAIN_STRICT_SKIPS", "DTRAIN_INTERNAL_FULL_SUITE", "DTRAIN_INTERNAL_TEST_DEADLINE_AT",
-          "DTRAIN_TEST_DEADLINE_S", "DTRAIN_INTERNAL_TEST_DURATIONS_LOG", "DTRAIN_TEST_DEADLINE_GRACE_S",
-          "PYTEST_ADDOPTS")  # fmt: skip
+CI_ENV = ("DTRAIN_STRICT_SKIPS", "PYTEST_ADDOPTS")  # and every DTRAIN_INTERNAL_* and DTRAIN_TEST_* name
+
+
+def _is_ci_setting(name: str) -> bool:
+    return name in CI_ENV or name.startswith(("DTRAIN_INTERNAL_", "DTRAIN_TEST_"))
 
 
 def _env(**extra: str) -> dict[str, str]:
     """This process's environment without the settings of the CI run it may be part of (scripts/test.sh's)."""
-    return {**{k: v for k, v in os.environ.items() if k not in CI_ENV}, **extra}
+    return {**{k: v for k, v in os.environ.items() if not _is_ci_setting(k)}, **extra}
 
 
 def _copy_plugins(root: Path) -> None:
