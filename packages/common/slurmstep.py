@@ -11,9 +11,11 @@ happens in a container.
 `batch` decides once whether the run starts or resumes (its config.json exists: a requeued job continues
 the same run from its last complete checkpoint), runs `srun` with one `node` task per node, copies their
 output to the job's output file, and exits with the job's code (dtrain.common.errors.ExitCode). A job
-whose ranks were preempted (exit 3) without Slurm signalling the job itself (a node's own shutdown, say)
-requeues itself with `scontrol requeue`; a failure (exit 1) or a usage error (2) does not. A job that
-Slurm signalled (scancel) is not requeued: Slurm ends it as CANCELLED.
+asked to stop without Slurm signalling the job itself (a node's own shutdown, a Spot notice: SIGTERM to a
+node's step or to its processes) whose nodes stopped as asked is preempted (dtrain.common.runrecord.job_outcome,
+as every launcher's; exit 3 that nobody asked for is a failure) and requeues itself with `scontrol requeue`; a
+failure (exit 1) or a usage error (2) does not. A job that Slurm signalled (scancel) is not requeued: Slurm
+ends it as CANCELLED. The run's status.json and events.jsonl are written through dtrain.common.runrecord.
 
 Time limits: the batch script asks Slurm for WARN_SIGNAL (USR1) some time before the job's limit
 (dtrain.control.slurm.script.time_options). On it the batch step stops every node's step the way a
