@@ -73,3 +73,28 @@ def test_requeued_keeps_the_exit_code_and_failures_get_no_launcher_label(tmp_pat
     st = runrecord.read_status(store)
     assert (st["state"], st["exit_code"], st["error"]) == ("failed", F, "boom")
     assert [r["event"] for r in _events(tmp_path)] == ["preempted"]  # the program's own row labels a failure
+
+
+def test_a_builtin_under_a_launcher_leaves_the_stop_label_to_it(tmp_path: Path, monkeypatch) -> None:
+    """A Slurm time-limit stop was recorded twice: the built-in's own `preempted (SIGTERM): checkpoint saved` and
+    the batch step's `time-limit`. Under dtrain's launcher (DTRAIN_RUN_URL names the run) the built-in writes no
+    `preempted` row; the launcher's row is the one label, at the last complete checkpoint. Alone (a plain
+    torchrun) the built-in still labels its own stop."""
+    from runs import stop_labels
+
+    from dtrain.common import jobenv, slurmstep, workload
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000040").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000040" / "meta.json").write_text(json.dumps({"step": 40, "files": {}}))
+    store = open_store(str(run))
+    runrecord.write_status(store, {"state": "running", "starts": 1})
+    monkeypatch.setenv(jobenv.RUN_URL, str(run))
+    workload._status(None, store, "preempted", ExitCode.PREEMPTED, None)
+    slurmstep.record_time_limit({"run_url": str(run), "specs": {}}, 1, 20, "time limit: continuing", stopped=False)
+    rows = _events(run)
+    assert stop_labels(rows) == ["time-limit"], rows
+    assert rows[-1]["step"] == 40, rows
+    monkeypatch.delenv(jobenv.RUN_URL)
+    workload._status(None, store, "preempted", ExitCode.PREEMPTED, None)
+    assert stop_labels(_events(run)) == ["time-limit", "preempted"], _events(run)
