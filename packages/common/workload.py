@@ -334,7 +334,9 @@ def _status(d: Dist | None, run: Store | None, state: str, code: ExitCode, ctx: 
     )
     # Under dtrain's launcher a stop is labelled by the launcher, which knows why it stopped the job (a
     # preemption, a time limit, a hang): one label per stop (dtrain.common.runrecord); alone, the run labels it.
-    if not (state == runrecord.PREEMPTED and _launched(run)):
+    # A rank that fails once SIGTERM came (its peer stopped for a hang, say) fails of that stop: the same label.
+    stopped = state == runrecord.PREEMPTED or (state == runrecord.FAILED and ctx is not None and ctx.preempt.requested)
+    if not (stopped and _launched(run)):
         record_event(run, step, state, message, exit_code=int(code))
     with contextlib.suppress(Exception):
         runrecord.update_status(run, {"state": state, "exit_code": int(code), **extra})

@@ -98,3 +98,28 @@ def test_a_builtin_under_a_launcher_leaves_the_stop_label_to_it(tmp_path: Path, 
     monkeypatch.delenv(jobenv.RUN_URL)
     workload._status(None, store, "preempted", ExitCode.PREEMPTED, None)
     assert stop_labels(_events(run)) == ["time-limit", "preempted"], _events(run)
+
+
+def test_a_builtin_that_fails_after_sigterm_under_a_launcher_leaves_the_label_to_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A Slurm hang: the batch step's `hang` row, then SIGTERM to every step; rank 0, whose peer was frozen, failed
+    in its collective and wrote `failed` beside the `hang` row. A failure once SIGTERM came is that stop's."""
+    from types import SimpleNamespace
+
+    from runs import stop_labels
+
+    from dtrain.common import jobenv, workload
+
+    run = tmp_path / "run"
+    run.mkdir()
+    store = open_store(str(run))
+    runrecord.append_events(store, [runrecord.event_row("hang", "dtrain: hang on h1 rank 1")])
+    monkeypatch.setenv(jobenv.RUN_URL, str(run))
+    ckpt = SimpleNamespace(close=lambda: None, last_saved_step=40)
+    stopped = SimpleNamespace(ckpt=ckpt, preempt=SimpleNamespace(requested=True))
+    workload._status(None, store, "failed", ExitCode.FAILURE, stopped, error="peer gone")  # type: ignore[arg-type]
+    assert stop_labels(_events(run)) == ["hang"], _events(run)
+    unasked = SimpleNamespace(ckpt=ckpt, preempt=SimpleNamespace(requested=False))
+    workload._status(None, store, "failed", ExitCode.FAILURE, unasked, error="boom")  # type: ignore[arg-type]
+    assert stop_labels(_events(run)) == ["hang", "failed"], _events(run)  # a failure of its own is labelled
