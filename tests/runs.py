@@ -38,6 +38,13 @@ def start(args: list[str], cwd: Path, **extra_env: str) -> subprocess.Popen:
     )
 
 
+def stop_labels(rows: list[dict]) -> list[str]:
+    """The stop labels of a run's events.jsonl rows, in order (dtrain.common.runrecord: one per stop)."""
+    from dtrain.common.runrecord import STOP_LABELS
+
+    return [r["event"] for r in rows if r.get("event") in STOP_LABELS]
+
+
 def only_run(out: Path) -> Path:
     (run,) = [p for p in out.iterdir() if p.is_dir()]
     return run

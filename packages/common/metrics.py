@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtrain.common import env as envmod
+from dtrain.common import runrecord
 from dtrain.common.errors import Preempted
 from dtrain.common.storage import Store, is_remote
 
@@ -35,7 +36,7 @@ PROGRESS_EVERY_S = 0.5
 FLUSH_EVERY_S = 10.0
 TB_CLOSE_S = 10.0  # the most the run waits for TensorBoard's writer to close (close())
 METRICS = "metrics.jsonl"
-EVENTS = "events.jsonl"
+EVENTS = runrecord.EVENTS
 
 
 class Reporter:
@@ -230,9 +231,7 @@ class Reporter:
 def record_event(run: Store, step: int | None, kind: str, message: str, **fields: Any) -> None:
     """Append one line to the run's events.jsonl. Best effort: an event must never fail the run it
     describes."""
-    row = {"time": round(time.time(), 3), "step": step, "event": kind, "message": message, **fields}
-    with contextlib.suppress(Exception):
-        run.append_bytes(EVENTS, (json.dumps(row, default=str) + "\n").encode())
+    runrecord.append_events(run, [runrecord.event_row(kind, message, step, **fields)])
 
 
 def _failure(e: BaseException) -> bool:

@@ -11,9 +11,11 @@ happens in a container.
 `batch` decides once whether the run starts or resumes (its config.json exists: a requeued job continues
 the same run from its last complete checkpoint), runs `srun` with one `node` task per node, copies their
 output to the job's output file, and exits with the job's code (dtrain.common.errors.ExitCode). A job
-whose ranks were preempted (exit 3) without Slurm signalling the job itself (a node's own shutdown, say)
-requeues itself with `scontrol requeue`; a failure (exit 1) or a usage error (2) does not. A job that
-Slurm signalled (scancel) is not requeued: Slurm ends it as CANCELLED.
+asked to stop without Slurm signalling the job itself (a node's own shutdown, a Spot notice: SIGTERM to a
+node's step or to its processes) whose nodes stopped as asked is preempted (dtrain.common.runrecord.job_outcome,
+as every launcher's; exit 3 that nobody asked for is a failure) and requeues itself with `scontrol requeue`; a
+failure (exit 1) or a usage error (2) does not. A job that Slurm signalled (scancel) is not requeued: Slurm
+ends it as CANCELLED. The run's status.json and events.jsonl are written through dtrain.common.runrecord.
 
 Time limits: the batch script asks Slurm for WARN_SIGNAL (USR1) some time before the job's limit
 (dtrain.control.slurm.script.time_options). On it the batch step stops every node's step the way a
@@ -62,6 +64,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dtrain.common import runrecord
 from dtrain.common.errors import UserError, stopped_as_asked
 from dtrain.common.jobenv import STOP_GRACE_S
 from dtrain.common.progress import StragglerSet, hang_error, hang_report, silent_line
@@ -265,10 +268,9 @@ def run_completed(job: dict[str, Any]) -> bool:
 
 
 def completed(url: str) -> bool:
-    from dtrain.common.rundir import read_json
     from dtrain.common.storage import open_store
 
-    return (read_json(open_store(url), "status.json") or {}).get("state") == "completed"
+    return (runrecord.read_status(open_store(url)) or {}).get("state") == runrecord.COMPLETED
 
 
 def _run_exists_in_image(job: dict[str, Any]) -> bool:
@@ -375,6 +377,7 @@ def batch(jobfile: str) -> int:
 
     threading.Thread(target=read, daemon=True).start()
     codes: dict[str, int] = {}
+    asked: set[str] = set()  # nodes whose steps Slurm asked to stop
     heard = dict.fromkeys(nodes, time.monotonic() + FIRST_HEARTBEAT_S - LOST_AFTER_S)
     lost: list[str] = []
     stopping = False
@@ -418,6 +421,8 @@ def batch(jobfile: str) -> int:
                 heard[r["node"]] = time.monotonic()
                 if "exit" in r:
                     codes[r["node"]] = int(r["exit"])
+                    if r.get("asked"):
+                        asked.add(r["node"])
         elif line:
             watch.heard(line)
             print(line, flush=True)
@@ -435,6 +440,10 @@ def batch(jobfile: str) -> int:
     for n in ended_early:
         codes.setdefault(n, 0)  # its ranks succeeded: torchrun waits in its exit barrier only after a success
     code = job_code(codes) if not lost and len(codes) >= len(nodes) else EXIT_FAILURE
+    if not lost and len(codes) >= len(nodes):
+        # Asked to stop (Slurm, the time limit, a node's processes by the cloud) and stopped as asked: preempted;
+        # exit 3 that nobody asked for is a failure (dtrain.common.runrecord.job_outcome, as every launcher's).
+        code = runrecord.job_outcome(code, codes.values(), asked=bool(asked) or stopping or signalled.is_set())
     if watch.hang is not None and not lost:
         code = EXIT_HUNG  # whatever the other nodes' steps made of their stop
     print(f"{stamp()} dtrain: job ended with exit code {code} (nodes: {codes})", flush=True)
@@ -513,8 +522,8 @@ class Hangs:
                 line = silent_line(node, limit)
                 self.hang = {"node": node, "silent_s": round(now - at, 1), "message": line}
                 note(line)
-                row = {"time": round(time.time(), 3), "step": None, "event": HANG_EVENT, "message": line, "node": node,
-                       "silent_s": self.hang["silent_s"], "job_id": os.environ.get("SLURM_JOB_ID", "")}  # fmt: skip
+                row = runrecord.event_row(HANG_EVENT, line, node=node, silent_s=self.hang["silent_s"],
+                                          job_id=os.environ.get("SLURM_JOB_ID", ""))  # fmt: skip
                 record_run(self.job, events=[row])
                 return
 
@@ -555,8 +564,7 @@ class Hangs:
         record_run(self.job, files=files)  # the stacks first: the line names their file
         note(line)
         rest = {k: v for k, v in facts.items() if k != "step"}
-        row = {"time": round(time.time(), 3), "step": ev.get("step"), "event": HANG_EVENT, "message": line, **rest,
-               "job_id": os.environ.get("SLURM_JOB_ID", "")}  # fmt: skip
+        row = runrecord.event_row(HANG_EVENT, line, ev.get("step"), **rest, job_id=os.environ.get("SLURM_JOB_ID", ""))
         record_run(self.job, events=[row])
 
     def on_alive(self, node: str, ev: dict[str, Any]) -> None:
@@ -568,8 +576,7 @@ class Hangs:
             return
         now = self.stragglers.now
         note(message)
-        row = {"time": round(time.time(), 3), "step": None, "event": STRAGGLER_EVENT, "message": message,
-               "stragglers": now}  # fmt: skip
+        row = runrecord.event_row(STRAGGLER_EVENT, message, stragglers=now)
         record_run(self.job, events=[row])
         _set_field(STRAGGLERS_COMMENT, stragglers_field(now))
 
@@ -638,7 +645,6 @@ def record_run(
         with contextlib.suppress(OSError):
             path.unlink()
         return
-    from dtrain.common.rundir import read_json, write_json
     from dtrain.common.storage import open_store
 
     with _environ(job_env(job)):
@@ -649,37 +655,31 @@ def record_run(
         for rel, text in (files or {}).items():
             with contextlib.suppress(Exception):
                 run.write_bytes(rel, text.encode())
-        for row in events or []:
-            with contextlib.suppress(Exception):
-                run.append_bytes("events.jsonl", (json.dumps(row, default=str) + "\n").encode())
+        runrecord.append_events(run, events or [])
         if status is not None:
             with contextlib.suppress(Exception):
-                prev = read_json(run, "status.json") or {}
-                body = {k: v for k, v in prev.items() if k not in drop}
-                write_json(run, "status.json", {**body, **status, "updated": time.time()})
+                runrecord.update_status(run, status, drop=drop)
 
 
 def record_time_limit(job: dict[str, Any], count: int, limit: int, message: str, *, stopped: bool) -> None:
     """The run's side of a time-limit stop: an events.jsonl row, and status.json requeued (reason "time limit",
     the continuations so far) while the job continues, so the run is not shown preempted with a --resume hint;
-    a stop at the limit of continuations stays preempted (a resume continues it). Best effort."""
-    from dtrain.common.rundir import read_json, write_json
+    a stop at the limit of continuations stays preempted (a resume continues it). The row is the stop's one
+    label (dtrain.common.runrecord), at the run's last complete checkpoint. Best effort."""
     from dtrain.common.storage import open_store
 
     with contextlib.suppress(Exception), _environ(job_env(job)):
         run = open_store(job["run_url"])
-        prev = read_json(run, "status.json") or {}
-        row = {"time": round(time.time(), 3), "step": None, "event": TIME_LIMIT_EVENT, "message": message,
-               "continuation": count, "max_continuations": limit, "continued": not stopped,
-               "job_id": os.environ.get("SLURM_JOB_ID", "")}  # fmt: skip
-        run.append_bytes("events.jsonl", (json.dumps(row) + "\n").encode())
-        body = {**prev, "updated": time.time(), "reason": "time limit", "continuations": count}
+        row = runrecord.event_row(TIME_LIMIT_EVENT, message, runrecord.last_step(run), continuation=count,
+                                  max_continuations=limit, continued=not stopped,
+                                  job_id=os.environ.get("SLURM_JOB_ID", ""))  # fmt: skip
+        runrecord.append_events(run, [row])
+        fields: dict[str, Any] = {"reason": "time limit", "continuations": count}
         if stopped:
-            body.update(state="preempted", exit_code=EXIT_PREEMPTED)
+            fields.update(state=runrecord.PREEMPTED, exit_code=EXIT_PREEMPTED)
         else:
-            body["state"] = "requeued"
-            body.pop("exit_code", None)
-        write_json(run, "status.json", body)
+            fields["state"] = runrecord.REQUEUED
+        runrecord.update_status(run, fields, drop=() if stopped else ("exit_code",))
 
 
 def _signal_steps(name: str) -> None:
@@ -734,7 +734,7 @@ def program_started(job: dict[str, Any], *, restarts: int, nodes: list[str], res
     is put back here, once, before any node starts (on dtrain's own clusters every node restores its own:
     dtrain.common.nodeagent.JobFiles)."""
     from dtrain.common.nodeagent import smi_gpus
-    from dtrain.common.rundir import read_json, write_json
+    from dtrain.common.rundir import write_json
     from dtrain.common.storage import open_store
 
     if job.get("image") and not os.environ.get(IN_IMAGE_ENV):
@@ -752,11 +752,8 @@ def program_started(job: dict[str, Any], *, restarts: int, nodes: list[str], res
                 with contextlib.suppress(UserError):
                     config["world_size"] = len(nodes) * processes(job, cpus, len(smi_gpus()))
             write_json(run, "config.json", config)
-        prev = read_json(run, "status.json") or {}
-        status = {k: v for k, v in prev.items() if k not in ("exit_code", "error", "pid")}
-        status.update(state="running", starts=int(p.get("restarts", 0)) + restarts + 1, updated=time.time(),
-                      host=os.uname().nodename, job_id=os.environ.get("SLURM_JOB_ID", ""))  # fmt: skip
-        write_json(run, "status.json", status)
+        runrecord.record_start(run, starts=int(p.get("restarts", 0)) + restarts + 1, host=os.uname().nodename,
+                               job_id=os.environ.get("SLURM_JOB_ID", ""))  # fmt: skip
         if resume and p.get("shared"):
             from dtrain.common.mirror import restore
 
@@ -769,25 +766,17 @@ def program_started(job: dict[str, Any], *, restarts: int, nodes: list[str], res
 
 
 def program_ended(job: dict[str, Any], code: int, *, requeued: bool) -> None:
-    """status.json at the end of a program's start: its state and exit code (dtrain.control.userjob.record_end's
-    states), or requeued (it starts again). Best effort: the job's own exit code is what Slurm keeps."""
-    from dtrain.common.rundir import read_json, write_json
+    """status.json at the end of a program's start (dtrain.common.runrecord.record_end, as every launcher's: its
+    state and exit code, or requeued: it starts again; a preemption's label). Best effort: the job's own exit code
+    is what Slurm keeps."""
     from dtrain.common.storage import open_store
 
     if job.get("image") and not os.environ.get(IN_IMAGE_ENV):
         with contextlib.suppress(Exception):
             in_image(job, ["ended", "job.json", str(code), str(int(requeued))])
         return
-    states = {EXIT_OK: "completed", EXIT_PREEMPTED: "preempted", EXIT_INTERRUPTED: "interrupted"}
     with contextlib.suppress(Exception), _environ(job_env(job)):
-        run = open_store(job["run_url"])
-        prev = read_json(run, "status.json") or {}
-        if prev.get("state") == "completed" and code == EXIT_PREEMPTED:
-            return  # a built-in recorded its end before a stop came (its teardown): it completed
-        body = {**prev, "state": "requeued" if requeued else states.get(code, "failed"), "updated": time.time()}
-        if not requeued:
-            body["exit_code"] = code
-        write_json(run, "status.json", body)
+        runrecord.record_end(open_store(job["run_url"]), code, requeued=requeued)
 
 
 def _next(lines: queue.Queue[str | None]) -> str | None:
@@ -976,7 +965,8 @@ def node(jobfile: str, mode: str) -> int:
         log.close()
         if not container:
             _keep_log(job, logs / f"{name}.log")
-        say(RESULT_PREFIX + json.dumps({"node": name, "exit": code}))
+        # "asked": Slurm signalled this node's step (a cancel, a preemption, a time limit, a node's shutdown)
+        say(RESULT_PREFIX + json.dumps({"node": name, "exit": code, "asked": signal.SIGTERM in got}))
 
 
 def forward_control(line: str, node: str) -> str | None:

@@ -21,7 +21,7 @@ from typing import Any, NoReturn, TypeVar
 
 from dtrain.common import config as cfgmod
 from dtrain.common import env as envmod
-from dtrain.common import jobenv
+from dtrain.common import jobenv, runrecord
 from dtrain.common.checkpoint import Checkpointer
 from dtrain.common.dist import Dist, PeerFailure, distributed, is_comm_failure
 from dtrain.common.errors import ExitCode, Preempted, UserError
@@ -207,12 +207,12 @@ def _open_run(workload: str, cfg: Any, d: Dist, resumed: Store | None) -> tuple[
         if _launched(run):
             # dtrain's launcher recorded the start (its pid and host: the process that records the end, which
             # `dtrain runs` checks is alive; the starts so far) and keeps what this adds.
-            before = read_json(run, "status.json") or {}
+            before = runrecord.read_status(run) or {}
             status = {**{k: v for k, v in before.items() if k not in ("exit_code", "error")}, **status,
                       **{k: before[k] for k in ("pid", "host") if before.get(k)}}  # fmt: skip
         try:
             write_json(run, "config.json", record)
-            write_json(run, "status.json", status)
+            runrecord.write_status(run, status)
         except DiskFull as e:  # one line, as a checkpoint save that fills the disk gives
             raise run_disk_full(e, run_id, resumed=resumed is not None) from None
 
@@ -337,12 +337,14 @@ def _status(d: Dist | None, run: Store | None, state: str, code: ExitCode, ctx: 
     message = {"completed": "completed", "preempted": "preempted (SIGTERM): checkpoint saved"}.get(
         state, f"{state} (exit {int(code)})" + (f": {extra['error']}" if extra.get("error") else "")
     )
-    record_event(run, step, state, message, exit_code=int(code))
+    # Under dtrain's launcher a stop is labelled by the launcher, which knows why it stopped the job (a
+    # preemption, a time limit, a hang): one label per stop (dtrain.common.runrecord); alone, the run labels it.
+    # A rank that fails once SIGTERM came (its peer stopped for a hang, say) fails of that stop: the same label.
+    stopped = state == runrecord.PREEMPTED or (state == runrecord.FAILED and ctx is not None and ctx.preempt.requested)
+    if not (stopped and _launched(run)):
+        record_event(run, step, state, message, exit_code=int(code))
     with contextlib.suppress(Exception):
-        prev = read_json(run, "status.json") or {}
-        write_json(
-            run, "status.json", {**prev, "state": state, "exit_code": int(code), "updated": time.time(), **extra}
-        )
+        runrecord.update_status(run, {"state": state, "exit_code": int(code), **extra})
 
 
 __all__ = ["Context", "PeerFailure", "run_workload", "resolve_config"]

@@ -30,8 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dtrain.common.errors import ExitCode, UserError, stopped_as_asked
+from dtrain.common.errors import ExitCode, UserError
 from dtrain.common.rundir import CKPT_PREFIX
+from dtrain.common.runrecord import job_outcome, update_status
 from dtrain.common.storage import is_remote
 from dtrain.control.cluster import Cluster, Node
 from dtrain.control.events import Events, Handle
@@ -250,12 +251,13 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
                 code = running.run()
                 hung = running.hang_error() if code == int(ExitCode.HUNG) else ""
                 terminated = terminated or running.terminated
+                if not running.interrupted and code != ExitCode.HUNG:
+                    # Asked to stop (by dtrain, or a node's processes by the cloud), and it did: safe to resume.
+                    code = job_outcome(code, running.codes.values(), asked=terminated)
                 for node in cluster.nodes:
                     logs.write(node.name, f"{JOB_ENDED} (exit {running.codes.get(node.name, code)})")
                 if code not in (0, int(ExitCode.USAGE), int(ExitCode.PREEMPTED)) and not running.interrupted:
                     running.report_failure(events)
-                if terminated and stopped_as_asked(code):
-                    code = int(ExitCode.PREEMPTED)  # asked to stop, and it did: safe to resume
                 retry = code not in (0, int(ExitCode.USAGE), int(ExitCode.PREEMPTED)) and not running.interrupted
                 if not retry or attempt >= max_restarts:
                     break
@@ -269,10 +271,7 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
         logs.close(t.run)
         if t.run.exists("config.json"):
             if attempt or t.resumed:
-                from dtrain.common.rundir import read_json, write_json
-
-                st = read_json(t.run, "status.json") or {}
-                write_json(t.run, "status.json", {**st, "starts": t.restarts + attempt + 1})
+                update_status(t.run, {"starts": t.restarts + attempt + 1})
             code = record_end(t, code, hung, before)
     return code
 

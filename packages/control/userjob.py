@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dtrain.common import jobenv
+from dtrain.common import jobenv, runrecord
 from dtrain.common.errors import ExitCode, UserError, stop_outcome
 from dtrain.common.jobenv import STOP_GRACE_S as SHUTDOWN_GRACE_S  # SIGTERM, then this long before SIGKILL
 from dtrain.common.procs import dies_with_parent
@@ -82,7 +82,7 @@ def program_target(job: Job, output: str, run_id: str, resume: str) -> Target:
         if cfg.get("kind") != "program":
             what = cfg.get("workload") or "a built-in"
             raise UserError(f"run {run.url} is a {what} run: resume it with `dtrain train {what} --resume ...`")
-        status = read_json(run, "status.json") or {}
+        status = runrecord.read_status(run) or {}
         return Target(run.url.rstrip("/").rsplit("/", 1)[-1], run, int(status.get("starts", 1)), True)
     rid, run = run_location(run_prefix(job.name), output, run_id)
     return Target(rid, run, 0, False)
@@ -106,60 +106,35 @@ def record_start(
     t: Target, job: Job, *, cluster: str, nodes: int, nproc: int, hosts: tuple[str, ...] = ()
 ) -> dict[str, Any] | None:
     """config.json for a new run (a resumed one keeps its own; a built-in writes its own, with its whole resolved
-    config), and status.json: running, on `hosts`. Returns the status.json it replaced (None: there was none)."""
+    config), and status.json: running, on `hosts` (dtrain.common.runrecord). Returns the status.json it replaced
+    (None: there was none)."""
     try:
         if not t.resumed and not job.builtin:
             write_json(t.run, "config.json", program_config(t, job, cluster=cluster, nodes=nodes, nproc=nproc))
-        before = read_json(t.run, "status.json")
-        _write_start(t, before or {}, hosts)
+        here = os.uname().nodename
+        return runrecord.record_start(t.run, starts=t.restarts + 1, host=here, pid=os.getpid(),
+                                      peers=[{"host": h} for h in hosts or (here,)])  # fmt: skip
     except DiskFull as e:  # one line, and the run's files as they were
         raise run_disk_full(e, t.run_id, resumed=t.resumed) from None
-    return before
-
-
-def _write_start(t: Target, prev: dict[str, Any], hosts: tuple[str, ...]) -> None:
-    write_json(
-        t.run,
-        "status.json",
-        {
-            **{k: v for k, v in prev.items() if k not in ("exit_code", "error")},
-            "state": "running",
-            "starts": t.restarts + 1,
-            "updated": time.time(),
-            "host": os.uname().nodename,
-            "pid": os.getpid(),
-            "peers": [{"host": h} for h in hosts or (os.uname().nodename,)],
-        },
-    )
 
 
 def record_end(t: Target, code: int, error: str = "", before: dict[str, Any] | None = None) -> int:
-    """status.json at the job's end, from its exit code; returns that code. A program that recorded its own end
-    (a built-in: dtrain.common.workload) and had completed when a stop came (its teardown) stays completed,
-    exit 0. A run the program never opened (a built-in's --show-example, or its input refused) leaves nothing;
-    a resume the program refused for its input (exit USAGE: a built-in given another model config) leaves the run's
-    status as it was (`before`, what record_start replaced)."""
+    """status.json at the job's end, from its exit code (dtrain.common.runrecord.record_end: a built-in that
+    recorded its completion before a stop came stays completed, and a stop that ended PREEMPTED gets its label);
+    returns that code. A run the program never opened (a built-in's --show-example, or its input refused) leaves
+    nothing; a resume the program refused for its input (exit USAGE: a built-in given another model config)
+    leaves the run's status as it was (`before`, what record_start replaced)."""
     if not t.run.exists("config.json"):
         with contextlib.suppress(OSError, UserError):
-            if set(t.run.list("")) <= {"status.json"}:  # only record_start's: no debris
+            if set(t.run.list("")) <= {runrecord.STATUS}:  # only record_start's: no debris
                 t.run.delete("")
         return code
     if code == ExitCode.USAGE and t.resumed and before is not None:
         with contextlib.suppress(OSError, UserError):
-            write_json(t.run, "status.json", before)
+            runrecord.write_status(t.run, before)
         return code
-    prev = read_json(t.run, "status.json") or {}
-    if code == ExitCode.PREEMPTED and prev.get("state") == "completed":
-        code = 0
-    state = {0: "completed", int(ExitCode.PREEMPTED): "preempted", int(ExitCode.INTERRUPTED): "interrupted"}.get(
-        code, "failed"
-    )
-    body = {**prev, "state": state, "exit_code": int(code), "updated": time.time()}
-    body.pop("pid", None)
-    if error:
-        body["error"] = error
     with contextlib.suppress(OSError, UserError):
-        write_json(t.run, "status.json", body)
+        return runrecord.record_end(t.run, code, error=error)
     return code
 
 

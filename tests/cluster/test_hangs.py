@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from runs import stop_labels
 
 from dtrain.common import progress
 from dtrain.common.rundir import read_json
@@ -72,6 +73,7 @@ def test_frozen_worker_is_found_named_stopped_and_the_job_resumes(cwd: Path, emu
     events = _rows(run, "events.jsonl")
     hangs = [e for e in events if e.get("event") == "hang"]
     assert len(hangs) == 1 and hangs[0]["node"] == "h1" and str(hangs[0]["rank"]) == rank, hangs
+    assert stop_labels(events) == ["hang"], events  # one label for the stop: not rank 0's `preempted` too
     resumed = [e for e in events if e.get("event") == "resumed" and e["time"] > hangs[0]["time"]]
     assert resumed and resumed[0]["step"] >= ckpt, events  # from the last complete checkpoint
     again = [m for m in _rows(run, "metrics.jsonl") if m["time"] > resumed[0]["time"] and "loss" in m]

@@ -7,6 +7,7 @@ Needs root (skips otherwise; CI runs as root) and Debian's Fashion-MNIST files.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from runs import CLI, isolated_env
+from runs import CLI, isolated_env, stop_labels
 
 from dtrain.common.checkpoint import find_latest
 from dtrain.common.errors import ExitCode
@@ -320,6 +321,37 @@ def test_worker_killed_without_restarts_fails_fast(cwd: Path, emulator: str, tes
     assert p.returncode == ExitCode.FAILURE, text
     assert elapsed < 45, elapsed  # the survivors see the dead peer, or are killed after FAIL_FAST_GRACE_S
     assert "continues from its last complete checkpoint" in text
+    assert job_processes(testbed) == {"h0": [], "h1": []}
+
+
+@pytest.mark.slow  # default suite under 15 min; CI runs the slow ones too
+def test_sigterm_to_one_nodes_processes_ends_the_run_preempted_with_one_label(
+    cwd: Path, emulator: str, testbed: Testbed
+) -> None:
+    """A Spot notice on one node: SIGTERM to its torchrun and ranks, not through dtrain. Every rank stops at the
+    same step after a checkpoint; the node's torchrun dies of the signal (143) and the other node's exits 3. The
+    run is preempted (exit 3) with exactly one stop label, `preempted`, at that checkpoint (it ended `failed (exit
+    1)`, with rank 0's own `preempted` row beside it)."""
+    out = bucket(emulator)
+    p = start(cwd, emulator, *MNIST, "--output", out, "--checkpoint-every", "20")
+    try:
+        run_url = wait_for_checkpoint(p, out, 20)
+        procs = [w for w in job_processes(testbed)["h1"] if "dtrain.common.nodeagent" not in w]
+        assert len(procs) >= 3 and any("dtrain.common.launch" in w for w in procs), procs  # torchrun, 2 ranks
+        for w in procs:
+            os.kill(int(w.split()[0]), signal.SIGTERM)
+        text, _ = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == ExitCode.PREEMPTED, text
+    run = open_store(run_url)
+    status = read_json(run, "status.json")
+    assert (status["state"], status["exit_code"]) == ("preempted", ExitCode.PREEMPTED), status
+    rows = [json.loads(x) for x in run.read_bytes("events.jsonl").decode().splitlines() if x.strip()]
+    assert stop_labels(rows) == ["preempted"], rows
+    (label,) = [r for r in rows if r["event"] == "preempted"]
+    assert label["step"] == latest_checkpoint(run_url) >= 20, (label, latest_checkpoint(run_url))
     assert job_processes(testbed) == {"h0": [], "h1": []}
 
 

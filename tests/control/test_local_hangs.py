@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers import write_dataset
-from runs import CLI, isolated_env
+from runs import CLI, isolated_env, stop_labels
 
 from dtrain.common.checkpoint import find_latest
 from dtrain.common.errors import ExitCode
@@ -216,6 +216,7 @@ def test_a_frozen_rank_of_a_builtin_stops_the_job_with_exit_4_and_its_stacks(tmp
     assert "mnist/train.py" in (run / "hangs" / f"{HOST}-rank1.txt").read_text()  # in the training loop
     hangs = [e for e in _rows(run / "events.jsonl") if e["event"] == "hang"]
     assert len(hangs) == 1 and hangs[0]["rank"] == "1" and hangs[0]["step"] is not None, hangs
+    assert stop_labels(_rows(run / "events.jsonl")) == ["hang"], _rows(run / "events.jsonl")
     assert hangs[0]["time"] - frozen_at >= 9.0, hangs  # never before its timeout (from the last heartbeat)
     status = read_json(open_store(str(run)), "status.json")
     assert (status["state"], status["exit_code"]) == ("failed", 4), status
@@ -242,6 +243,7 @@ def test_a_frozen_builtin_with_the_default_timeout_restarts_from_its_checkpoint_
     events = _rows(run / "events.jsonl")
     hangs = [e for e in events if e["event"] == "hang"]
     assert len(hangs) == 1 and hangs[0]["timeout_s"] >= 30.0, hangs  # the automatic timeout, with its floor
+    assert stop_labels(events) == ["hang"], events  # not also rank 0's `preempted (SIGTERM): checkpoint saved`
     resumed = [e for e in events if e["event"] == "resumed" and e["time"] > hangs[0]["time"]]
     assert resumed and resumed[0]["step"] >= ckpt, events  # from the last complete checkpoint
     again = [m for m in _rows(run / "metrics.jsonl") if m["time"] > resumed[0]["time"] and "loss" in m]

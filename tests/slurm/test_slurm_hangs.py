@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runs import CLI
+from runs import CLI, stop_labels
 
 from dtrain.common import progress
 
@@ -91,6 +91,7 @@ def test_a_frozen_worker_is_found_named_stopped_and_the_job_requeued_resumes(bed
     events = rows(run / "events.jsonl")
     hangs = [e for e in events if e["event"] == "hang"]
     assert len(hangs) == 1, hangs
+    assert stop_labels(events) == ["hang"], events  # one label for the stop: not rank 0's `preempted` too
     hang = hangs[0]
     assert hang["node"] == "h1" and str(hang["rank"]) == rank and hang["timeout_s"] == progress.FLOOR_S, hang
     assert hang["stacks"] == f"{run}/hangs/h1-rank{rank}.txt", hang

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from runs import stop_labels
 
 from .conftest import BATCH, EPOCHS, TOTAL_STEPS, Env
 from .test_slurm_bed import job_processes
@@ -112,10 +113,12 @@ def test_a_job_that_outlives_its_time_limit_continues_until_it_completes(bed: En
     events = rows(run / "events.jsonl")
     limits = [e for e in events if e["event"] == "time-limit"]
     assert [e["continuation"] for e in limits] == list(range(1, n + 1)) and all(e["continued"] for e in limits), limits
-    # Time lost to each continuation: from the checkpoint saved at the warning (the workload's `preempted` row)
-    # to training again in the next allocation (its `resumed` row): the requeue, the wait for the node, the
-    # start. And the allocation's time left unused: from the stop to the time limit (the warning's lead).
-    stops = [e for e in events if e["event"] == "preempted"]
+    # Each stop carries one label, the true one: `time-limit` (not also the workload's `preempted`).
+    assert stop_labels(events) == ["time-limit"] * n, events
+    # Time lost to each continuation: from the stop (its `time-limit` row, at the checkpoint saved at the warning,
+    # written once the nodes had stopped) to training again in the next allocation (its `resumed` row): the
+    # requeue, the wait for the node, the start.
+    stops = limits
     resumes = [e for e in events if e["event"] == "resumed"]
     assert len(stops) == n and len(resumes) == n, [e["event"] for e in events]
     lost = [r["time"] - s["time"] for s, r in zip(stops, resumes, strict=True)]
@@ -183,4 +186,5 @@ def test_a_users_program_outlives_its_time_limit_from_its_own_checkpoints(bed: E
     assert status["state"] == "completed" and status["starts"] == n + 1, status
     limits = [e for e in rows(run / "events.jsonl") if e["event"] == "time-limit"]
     assert [e["continuation"] for e in limits] == list(range(1, n + 1)), limits
+    assert stop_labels(rows(run / "events.jsonl")) == ["time-limit"] * n, rows(run / "events.jsonl")
     print(f"program job {job}: 400 steps x 0.3 s under --time 2: {n} continuation(s), resumed at steps {resumed}")
