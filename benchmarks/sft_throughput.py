@@ -369,8 +369,8 @@ def check_fair(row: str, kind: str, res: dict[str, Any], first: dict[str, Any] |
         problems.append(f"activation checkpointing is {'on' if res['checkpointing'] else 'off'}")
     if res["attn_implementation"] != "sdpa":
         problems.append(f"attention ran as {res['attn_implementation']}, not sdpa")
-    if not att.get("sdpa_calls") or not att["per_document_causal"]:
-        problems.append(f"attention was not per-document causal: {att}")
+    if not att.get("sdpa_calls") or not att["per_document_causal"] or att["documents_per_row"] <= 1:
+        problems.append(f"attention was not per-document causal over packed rows: {att}")
     if first is not None and res["trainable"] != first["trainable"]:
         problems.append(f"{res['trainable']:,} trainable parameters, against {first['trainable']:,}")
     if first is not None and set(att["masks"]) != set(first["attention"]["masks"]):
