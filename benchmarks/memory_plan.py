@@ -182,6 +182,7 @@ def build(case: Case) -> tuple[torch.nn.Module, Any]:
 
     from dtrain.lora import model as modelmod
     from dtrain.lora import quant as quantmod
+    from dtrain.lora.lean import lean_model
 
     config = AutoConfig.for_model(
         case.family, max_position_embeddings=4096, **{**FAMILIES[case.family], **(case.shape or {})}
@@ -199,6 +200,7 @@ def build(case: Case) -> tuple[torch.nn.Module, Any]:
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
+    lean_model(model)
     if case.checkpointing:
         modelmod.enable_activation_checkpointing(model)
     model.train()

@@ -218,7 +218,12 @@ def test_issue_28_memory_goals_for_llama_8b():
               strategy="ddp", packed=True)  # fmt: skip
     qlora = lp.plan(s, quant="4bit", adapter_dtype="bf16", **kw)
     lora = lp.plan(s, quant="none", adapter_dtype="bf16", **kw)
-    assert qlora.memory.allocated < 7.6 * GIB and qlora.memory.total < 8.3 * GIB
-    assert lora.memory.allocated < 17.2 * GIB
+    # The goals compare the allocated figure, what torch.cuda.max_memory_allocated reports (torchtune's
+    # recipes log it); QLoRA meets its goal with the allocator/workspace estimate too. dtrain.lora.lean's
+    # savings (16-bit norm inputs, SwiGLU without silu(gate), shared LoRA inputs) make the difference.
+    assert qlora.memory.allocated <= 8.0 * GIB and qlora.memory.total <= 8.0 * GIB
+    assert lora.memory.allocated <= 17.0 * GIB
+    flash = lp.plan(s, quant="none", adapter_dtype="bf16", attention="flash", **kw)
+    assert flash.memory.allocated <= lora.memory.allocated <= 17.0 * GIB
     # the longest QLoRA context on an L4, r32, batch 1: at least 16,384 tokens
     assert lp.plan(s, accelerator="nvidia-l4", seq_len=16384, batch=1, lora_rank=32, quant="4bit").fits
