@@ -107,7 +107,8 @@ CASES = (
 
 def shape_cases(label: str, seq_len: int, batch: int, qlora: bool = True, distributed: bool = True) -> list[Case]:
     """Every configuration the plan offers, on SHAPES[label]: LoRA (fp32 and bf16) and QLoRA, with
-    and without checkpointing, packed and not, bf16 adapters, 8-bit AdamW, DDP and FSDP on two ranks."""
+    and without checkpointing, packed and not, bf16 adapters, 8-bit AdamW, DDP and FSDP on two ranks
+    (checkpointing on with packed rows, and off with plain rows)."""
     base = dict(family="llama", shape=SHAPES[label], label=label, seq_len=seq_len, batch=batch)
     cases = [
         Case(**base, precision=p, checkpointing=c, packed=k)
@@ -123,8 +124,9 @@ def shape_cases(label: str, seq_len: int, batch: int, qlora: bool = True, distri
         cases += [Case(**base, precision="bf16", checkpointing=c, packed=True, quant="4bit") for c in (False, True)]
     if distributed:
         cases += [
-            Case(**base, precision="bf16", checkpointing=True, packed=True, world=2, strategy=s)
+            Case(**base, precision="bf16", checkpointing=c, packed=c, world=2, strategy=s)
             for s in ("ddp", "fsdp")
+            for c in (True, False)
         ]
     return cases
 

@@ -319,7 +319,10 @@ def activation_bytes(
     # and one chunk's logits at a time: fp32 (4 V), and under autocast the compute-dtype logits they
     # are upcast from, then the gradient cast back (2 V), never both at once.
     chunk = min(tokens, max(1, loss_chunk))
-    loss = tokens * (2 * a * h + 12 + 8) + chunk * m.vocab * (4 + (2 if autocast else 0))
+    logits = chunk * m.vocab * (4 + (2 if autocast else 0))
+    loss = tokens * (2 * a * h + 12 + 8) + logits
+    # a layer's backward temporaries: the hidden state's gradient and two MLP-wide gradients
+    temps = a * h + 2 * a * f
     rotary = 2 * a * m.head_dim * seq_len
     # Packed rows under sdpa: transformers' per-document mask (B x L x L booleans, 1 B each, an input
     # of every layer), which SDPA turns into an additive mask in the compute dtype and keeps for its
@@ -329,11 +332,13 @@ def activation_bytes(
     layer_mask = a * mask
     if not checkpointing:
         # The first layer's norm keeps nothing (its input, the frozen embedding's output, needs no
-        # gradient); the final norm keeps its fp32 input: -4h + 4h.
-        return tokens * m.layers * layer + m.layers * layer_mask + mask + loss + rotary
+        # gradient); the final norm keeps what a layer's norm keeps: -1 + 1.
+        # The peak: every layer's activations, with the loss's backward (one chunk's logits) or, after
+        # it, the last layer's backward temporaries, whichever is larger.
+        kept = tokens * m.layers * layer + m.layers * layer_mask + mask + loss - logits + rotary
+        return kept + max(logits, tokens * temps)
     inputs = tokens * m.layers * a * h
-    at_loss = inputs + tokens * 4 * h + loss
-    temps = a * h + 2 * a * f
+    at_loss = inputs + tokens * (a * h if lean else 4 * h) + loss  # + the final norm's input
     shared = a * h if lean else 0  # the first norm keeps the layer's input, which the checkpoint keeps
     at_recompute = inputs + tokens * (layer - shared + temps) + layer_mask
     return max(at_loss, at_recompute) + mask + rotary
