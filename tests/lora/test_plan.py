@@ -186,7 +186,8 @@ def test_cli_plan_of_a_local_config(tmp_path, capsys):
     from dtrain.cli.main import run
 
     d = config_dir(tmp_path, **LLAMA_8B)
-    rc = run(["plan", "--model", d, "--accelerator", "nvidia-l4", "--seq-len", "1024", "--json"])
+    # 2,048 tokens: at 1,024 the lean 16-bit step fits without checkpointing (21.57 of 21.6 GiB)
+    rc = run(["plan", "--model", d, "--accelerator", "nvidia-l4", "--seq-len", "2048", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["fits"] is True
     # bf16 weights (15 GiB) fit an L4 once the activations are checkpointed
