@@ -107,7 +107,8 @@ CASES = (
 
 def shape_cases(label: str, seq_len: int, batch: int, qlora: bool = True, distributed: bool = True) -> list[Case]:
     """Every configuration the plan offers, on SHAPES[label]: LoRA (fp32 and bf16) and QLoRA, with
-    and without checkpointing, packed and not, bf16 adapters, 8-bit AdamW, DDP and FSDP on two ranks."""
+    and without checkpointing, packed and not, bf16 adapters, 8-bit AdamW, DDP and FSDP on two ranks
+    (checkpointing on with packed rows, and off with plain rows)."""
     base = dict(family="llama", shape=SHAPES[label], label=label, seq_len=seq_len, batch=batch)
     cases = [
         Case(**base, precision=p, checkpointing=c, packed=k)
@@ -123,8 +124,9 @@ def shape_cases(label: str, seq_len: int, batch: int, qlora: bool = True, distri
         cases += [Case(**base, precision="bf16", checkpointing=c, packed=True, quant="4bit") for c in (False, True)]
     if distributed:
         cases += [
-            Case(**base, precision="bf16", checkpointing=True, packed=True, world=2, strategy=s)
+            Case(**base, precision="bf16", checkpointing=c, packed=c, world=2, strategy=s)
             for s in ("ddp", "fsdp")
+            for c in (True, False)
         ]
     return cases
 
@@ -182,6 +184,7 @@ def build(case: Case) -> tuple[torch.nn.Module, Any]:
 
     from dtrain.lora import model as modelmod
     from dtrain.lora import quant as quantmod
+    from dtrain.lora.lean import lean_model
 
     config = AutoConfig.for_model(
         case.family, max_position_embeddings=4096, **{**FAMILIES[case.family], **(case.shape or {})}
@@ -199,6 +202,7 @@ def build(case: Case) -> tuple[torch.nn.Module, Any]:
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
+    lean_model(model)
     if case.checkpointing:
         modelmod.enable_activation_checkpointing(model)
     model.train()

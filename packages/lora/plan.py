@@ -24,18 +24,19 @@ What one GPU holds, in bytes (docs/memory-plan.md has the derivation and the mea
 - Activations: what autograd keeps from the forward for the backward, per token of the micro-batch
   (b x s tokens), for a Llama-style decoder layer (hidden h, MLP width f, q = heads x head_dim,
   kv = kv_heads x head_dim, LoRA on q, k, v, o, gate, up, down), a = 2 B under bf16/fp16 autocast and
-  4 B in fp32:
-    * the two RMSNorms save their input in fp32 (Llama's norm upcasts): 2 x 4h;
-    * each LoRA A saves its input: under autocast peft first casts it to the fp32 of the LoRA weights
-      and autocast casts that back, so each adapted projection keeps its own copy, a x (5h + q + f);
-      in fp32 the projections that share an input share it: a x (2h + f);
+  4 B in fp32 (16-bit steps run dtrain.lora.lean, which keeps less without changing a number):
+    * the two RMSNorms: in fp32 each saves its input (4h) and an inverse RMS value (4); in 16-bit
+      steps each keeps its 16-bit input (a h) and remakes the fp32 arithmetic in the backward;
+    * each LoRA A saves its input; the projections that share an input share it, a x (2h + f): one
+      for q/k/v, one for gate/up, down's own, and o's is the attention output (under autocast
+      dtrain.lora.lean skips peft's cast of the input to the adapter dtype, which autocast undid);
     * SDPA (flash / memory-efficient) keeps q, k, v after the rotary embedding and its output:
       a x (2q + 2kv), and a 4 B log-sum-exp per head; on a GPU without bf16 (T4, V100) grouped k/v
       heads are repeated to q's width first (the memory-efficient kernel has no GQA), so 4q;
-    * SwiGLU keeps gate, up and silu(gate): 3af;
-    * the LoRA A outputs: a x r per adapted projection (7r), and 2 fp32 inverse RMS values.
-  So per layer and token: 8h + a(5h + q + f) + a(2q + 2kv) + 3af + 7ar + 4 heads + 8 under autocast
-  (bf16, Llama-3-8B: 18h + 6q + 4kv + 8f ~ 0.21 MB a token).
+    * SwiGLU keeps gate, up and, in fp32, silu(gate): 3af (fp32), 2af (16-bit: remade in the backward);
+    * the LoRA A outputs: a x r per adapted projection (7r).
+  So per layer and token, in 16-bit: 2ah + a(2h + f) + a(2q + 2kv) + 2af + 7ar + 4 heads
+  (bf16, Llama-3-8B: 8h + 4q + 4kv + 6f ~ 0.17 MB a token).
   The frozen embedding's output needs no gradient: the first layer's norm keeps nothing (-4h).
   The loss: transformers upcasts the logits to fp32, cross-entropy keeps its fp32 log-probabilities
   (4V a token) and the backward starts with two more fp32 tensors of the same size (the gradients of
@@ -45,8 +46,8 @@ What one GPU holds, in bytes (docs/memory-plan.md has the derivation and the mea
   With activation checkpointing (per decoder layer, non-reentrant) each layer keeps only its input
   (a x h a token); the backward recomputes one layer at a time, so the peak is the larger of the
   loss's (all the layer inputs + 4h + 12V) and a layer's recompute (all the layer inputs + one full
-  layer + its backward temporaries: the gradient of the hidden state, two MLP-wide gradients, and
-  under autocast the fp32 gradients of peft's input casts, up to 4f).
+  layer, less its first norm's input, which is the layer's input, + its backward temporaries: the
+  gradient of the hidden state and two MLP-wide gradients).
 - Overhead: the CUDA context lives outside torch's allocator and is taken off the card's capacity
   (dtrain.common.accelerators.CUDA_CONTEXT_GIB); torch's caching allocator rounds and fragments, and
   cuBLAS keeps workspaces: ALLOCATOR_FRACTION of the total plus WORKSPACE_GIB. These are estimates:
@@ -298,24 +299,30 @@ def activation_bytes(
     """The activations' peak in bytes for one micro-batch (the module docstring's formula)."""
     a = 4 if precision == "fp32" else 2
     autocast = precision != "fp32"
-    cast_inputs = autocast and adapter_dtype == "fp32"  # peft casts each LoRA input to fp32, autocast back
+    # dtrain.lora.lean, in 16-bit steps: the norms keep their 16-bit inputs (not fp32 copies), SwiGLU
+    # keeps gate and up (silu(gate) is remade in the backward), and peft's LoRA input casts are skipped
+    # under autocast, so the projections that share an input share its saved copy.
+    lean = autocast
     h, f, q, kv, r = m.hidden, m.intermediate, m.q, m.kv, lora_rank
     kv_saved = q if repeat_kv and kv < q else kv
     shapes = m.proj_shapes()
     adapted = [t for t in targets if t in shapes]
-    if cast_inputs:
-        lora_inputs = a * sum(shapes[t][0] for t in adapted)
-    else:  # shared inputs: one for q/k/v, one for gate/up, o's is the attention output, down's its own
-        groups = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
-        lora_inputs = a * (h * len({groups[t] for t in adapted if t in groups}) + (f if "down_proj" in adapted else 0))
-    layer = 2 * 4 * h + lora_inputs + a * (2 * q + 2 * kv_saved) + 3 * a * f + a * r * len(adapted) + 4 * m.heads + 8
+    # shared inputs: one for q/k/v, one for gate/up, o's is the attention output, down's its own
+    groups = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
+    lora_inputs = a * (h * len({groups[t] for t in adapted if t in groups}) + (f if "down_proj" in adapted else 0))
+    norms = 2 * a * h if lean else 2 * 4 * h + 8  # fp32 inputs and inverse RMS values, unless remade
+    swiglu = (2 if lean else 3) * a * f
+    layer = norms + lora_inputs + a * (2 * q + 2 * kv_saved) + swiglu + a * r * len(adapted) + 4 * m.heads
     tokens = batch * seq_len
     # The chunked loss (dtrain.lora.loss): it keeps the final hidden states (a h), each token's fp32
     # log-sum-exp and its shifted label (4 + 8); the backward adds the hidden states' gradient (a h)
     # and one chunk's logits at a time: fp32 (4 V), and under autocast the compute-dtype logits they
     # are upcast from, then the gradient cast back (2 V), never both at once.
     chunk = min(tokens, max(1, loss_chunk))
-    loss = tokens * (2 * a * h + 12 + 8) + chunk * m.vocab * (4 + (2 if autocast else 0))
+    logits = chunk * m.vocab * (4 + (2 if autocast else 0))
+    loss = tokens * (2 * a * h + 12 + 8) + logits
+    # a layer's backward temporaries: the hidden state's gradient and two MLP-wide gradients
+    temps = a * h + 2 * a * f
     rotary = 2 * a * m.head_dim * seq_len
     # Packed rows under sdpa: transformers' per-document mask (B x L x L booleans, 1 B each, an input
     # of every layer), which SDPA turns into an additive mask in the compute dtype and keeps for its
@@ -325,12 +332,15 @@ def activation_bytes(
     layer_mask = a * mask
     if not checkpointing:
         # The first layer's norm keeps nothing (its input, the frozen embedding's output, needs no
-        # gradient); the final norm keeps its fp32 input: -4h + 4h.
-        return tokens * m.layers * layer + m.layers * layer_mask + mask + loss + rotary
+        # gradient); the final norm keeps what a layer's norm keeps: -1 + 1.
+        # The peak: every layer's activations, with the loss's backward (one chunk's logits) or, after
+        # it, the last layer's backward temporaries, whichever is larger.
+        kept = tokens * m.layers * layer + m.layers * layer_mask + mask + loss - logits + rotary
+        return kept + max(logits, tokens * temps)
     inputs = tokens * m.layers * a * h
-    at_loss = inputs + tokens * 4 * h + loss
-    temps = a * h + 2 * a * f + (4 * max((shapes[t][0] for t in adapted), default=h) if cast_inputs else 0)
-    at_recompute = inputs + tokens * (layer + temps) + layer_mask
+    at_loss = inputs + tokens * (a * h if lean else 4 * h) + loss  # + the final norm's input
+    shared = a * h if lean else 0  # the first norm keeps the layer's input, which the checkpoint keeps
+    at_recompute = inputs + tokens * (layer - shared + temps) + layer_mask
     return max(at_loss, at_recompute) + mask + rotary
 
 

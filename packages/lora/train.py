@@ -36,6 +36,7 @@ from dtrain.lora import samples, sft, sharding
 from dtrain.lora.config import AdapterDtype, Attention, DataFormat, LoraConfig, Optimizer, Quant, Sharding, Switch
 from dtrain.lora.data import Blocks, Row, load_blocks, read_documents, read_rows
 from dtrain.lora.fused import fuse_model
+from dtrain.lora.lean import lean_model
 from dtrain.lora.loss import causal_lm_loss
 from dtrain.lora.model import apply_configured_lora, attention_kernel, enable_activation_checkpointing, load_base
 
@@ -326,6 +327,7 @@ def build_model(ctx: Context, memory: Memory) -> tuple[torch.nn.Module, Any, lis
     if not memory.quantized:  # 4-bit weights were placed as they were read, and peft put LoRA's beside them
         model.to(d.device)  # peft puts LoRA weights beside their base layer; this catches any it does not
     fused = fuse_model(model)  # exact regroupings of the stock arithmetic; the stock path where they do not apply
+    lean_model(model)  # 16-bit steps: remake cheap pointwise results in the backward rather than keep them
     if memory.checkpointing:
         enable_activation_checkpointing(model)
     ctx.report.info(f"memory: {memory.describe()}")

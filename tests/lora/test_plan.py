@@ -135,11 +135,14 @@ def test_llama_8b_on_a_t4_needs_qlora_and_checkpointing():
     # the chunked loss holds one 512-token chunk of fp32 logits, not every token's: at 8,192 tokens the
     # loss adds less than a tenth of what 12 bytes a word a token would
     kw = dict(batch=1, lora_rank=16, precision="bf16", checkpointing=False)
-    a4, a8, a12 = (lp.activation_bytes(s, seq_len=n, **kw) for n in (4096, 8192, 12288))
-    assert a12 - a8 == pytest.approx(a8 - a4, rel=1e-6)  # linear in the tokens: no per-token logits term
-    # what does not grow with the tokens is one chunk's logits and their gradient, at most 8 bytes a word
-    assert 0 < a4 - (a8 - a4) <= lp.CHUNK_TOKENS * s.vocab * 8
-    assert 12 * s.vocab * 4096 > 10 * (lp.CHUNK_TOKENS * s.vocab * 8)
+    a8, a16, a24 = (lp.activation_bytes(s, seq_len=n, **kw) for n in (8192, 16384, 24576))
+    assert a24 - a16 == pytest.approx(a16 - a8, rel=1e-6)  # linear in the tokens
+    # a token costs its layers' activations, not 12 bytes a word of logits besides
+    per_token = (a16 - a8) / 8192
+    assert per_token < s.layers * 0.2e6 and 12 * s.vocab > per_token / s.layers * 5
+    # at 512 tokens the peak is the layers' activations plus one chunk's logits and their gradient
+    a1, a2 = (lp.activation_bytes(s, seq_len=n, **kw) for n in (512, 1024))
+    assert 0 < a1 - (a2 - a1) <= lp.CHUNK_TOKENS * s.vocab * 8
 
 
 def test_llama_8b_on_an_a100_80gb_runs_plain_ddp():
@@ -183,7 +186,8 @@ def test_cli_plan_of_a_local_config(tmp_path, capsys):
     from dtrain.cli.main import run
 
     d = config_dir(tmp_path, **LLAMA_8B)
-    rc = run(["plan", "--model", d, "--accelerator", "nvidia-l4", "--seq-len", "1024", "--json"])
+    # 2,048 tokens: at 1,024 the lean 16-bit step fits without checkpointing (21.57 of 21.6 GiB)
+    rc = run(["plan", "--model", d, "--accelerator", "nvidia-l4", "--seq-len", "2048", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["fits"] is True
     # bf16 weights (15 GiB) fit an L4 once the activations are checkpointed
@@ -218,7 +222,12 @@ def test_issue_28_memory_goals_for_llama_8b():
               strategy="ddp", packed=True)  # fmt: skip
     qlora = lp.plan(s, quant="4bit", adapter_dtype="bf16", **kw)
     lora = lp.plan(s, quant="none", adapter_dtype="bf16", **kw)
-    assert qlora.memory.allocated < 7.6 * GIB and qlora.memory.total < 8.3 * GIB
-    assert lora.memory.allocated < 17.2 * GIB
+    # The goals compare the allocated figure, what torch.cuda.max_memory_allocated reports (torchtune's
+    # recipes log it); QLoRA meets its goal with the allocator/workspace estimate too. dtrain.lora.lean's
+    # savings (16-bit norm inputs, SwiGLU without silu(gate), shared LoRA inputs) make the difference.
+    assert qlora.memory.allocated <= 8.0 * GIB and qlora.memory.total <= 8.0 * GIB
+    assert lora.memory.allocated <= 17.0 * GIB
+    flash = lp.plan(s, quant="none", adapter_dtype="bf16", attention="flash", **kw)
+    assert flash.memory.allocated <= lora.memory.allocated <= 17.0 * GIB
     # the longest QLoRA context on an L4, r32, batch 1: at least 16,384 tokens
     assert lp.plan(s, accelerator="nvidia-l4", seq_len=16384, batch=1, lora_rank=32, quant="4bit").fits
