@@ -53,6 +53,12 @@ session() {
   timeout --foreground --signal=INT --kill-after=60 $(( left + grace_s )) \
     .venv/bin/python -m pytest --durations=50 "$@"
 }
+# The 15 slowest finished tests of every session (into a file first: `sort | head` under pipefail fails with
+# SIGPIPE once the list outgrows a pipe's buffer, and set -e would end test.sh there).
+slowest() {
+  cat "$work"/durations-*.log 2>/dev/null | sort -rn > "$work/slowest" || true
+  head -n 15 "$work/slowest"
+}
 rc=0
 if [ "$shards" -le 1 ]; then
   DTRAIN_INTERNAL_TEST_DURATIONS_LOG="$work/durations-0.log" session "$@" || rc=$?
@@ -78,13 +84,13 @@ else
     .venv/bin/python tests/shards.py check "$shards" "${DTRAIN_INTERNAL_FULL_SUITE:-0}" "$work"/shard-*.json || rc=$?
   fi
   echo "test.sh: the slowest tests of all $shards sessions:"
-  cat "$work"/durations-*.log 2>/dev/null | sort -rn | head -n 15 | sed 's/^/  /'
+  slowest | sed 's/^/  /'
 fi
 if [ -n "${DTRAIN_TEST_DURATIONS_OUT:-}" ]; then cat "$work"/durations-*.log > "$DTRAIN_TEST_DURATIONS_OUT" 2>/dev/null || true; fi
 if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
   echo "test.sh: a test was still running $grace_s s after the deadline (DTRAIN_TEST_DEADLINE_S=$deadline_s): stopped;" \
     "the slowest finished tests:" >&2
-  cat "$work"/durations-*.log 2>/dev/null | sort -rn | head -n 15 >&2
+  slowest >&2
   rc=1
 fi
 echo "test.sh: exit $rc in $(( $(date +%s) - start ))s"

@@ -526,3 +526,21 @@ def test_the_shard_check_fails_when_the_sessions_do_not_cover_the_collection(tmp
     assert check([report(0, 3, 1), report(1, 2, 0, collected=6)], 2, True) == 1  # different collections
     assert check([report(0, 3, 0), report(1, 2, 0)], 2, True) == pytest.ExitCode.NO_TESTS_COLLECTED  # no slow test
     assert check([report(0, 3, 0), report(1, 2, 0)], 2, False) == 0  # a selection of your own may hold no slow test
+
+
+MANY = """
+    import pytest
+
+    @pytest.mark.parametrize("n", range(1500))
+    def test_one_of_many_with_a_name_long_enough_to_fill_a_pipe_buffer_in_the_durations_log(n):
+        pass
+"""
+
+
+def test_test_sh_lists_the_slowest_of_a_long_run_and_still_exits_with_its_own_status(tmp_path):
+    # 1,500 durations lines (~150 KB): more than a pipe holds, so `sort | head` would end in SIGPIPE (141)
+    r = _test_sh(tmp_path, {"test_many.py": MANY, "test_slow.py": SLOW}, DTRAIN_TEST_SHARDS="2")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+    assert "test.sh: exit 0 in" in r.stdout
+    slowest = r.stdout.split("the slowest tests of all 2 sessions:")[-1].splitlines()[1:16]
+    assert len(slowest) == 15 and all("::" in line for line in slowest), slowest
