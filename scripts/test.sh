@@ -37,7 +37,7 @@ if [ $# -eq 0 ]; then export DTRAIN_INTERNAL_FULL_SUITE=1; else unset DTRAIN_INT
 # Shards (DTRAIN_TEST_SHARDS, default 1; tests/shards.py): the whole suite runs as that many pytest sessions side by
 # side, each with a share of the tests chosen by their measured durations (tests/durations.json), a test bed's tests
 # all in one session (the bed is still built once). Each session's lines are prefixed [K]. With your own arguments,
-# one session. Two sessions on CI's two cores took 55 minutes where one took 68, but slowed the CPU-bound tests so
+# one session. Two sessions on CI's two cores took 59 minutes where one took 68, but slowed the CPU-bound tests so
 # much that a Slurm-bed test came to 298 s of its 300 s cap: one stays the default until the slowest tests are
 # faster (docs/decisions.md, "CI: two pytest sessions side by side").
 shards="${DTRAIN_TEST_SHARDS:-1}"
