@@ -10,14 +10,7 @@ import typer
 from dtrain.cli import console
 from dtrain.cli import options as o
 from dtrain.common.choices import Precision
-from dtrain.lora.choices import AdapterDtype, Optimizer, Sharding, Switch
-
-
-class PlanAttention(str, enum.Enum):
-    """How packed rows attend: sdpa with a dense per-document mask, or flash-attention's varlen call."""
-
-    SDPA = "sdpa"
-    FLASH = "flash"
+from dtrain.lora.choices import AdapterDtype, Attention, Optimizer, Sharding, Switch
 
 
 class PlanQuant(str, enum.Enum):
@@ -63,9 +56,13 @@ def plan(
         bool, typer.Option("--packed/--no-packed", help="instruction/chat rows packed with several examples each")
     ] = False,
     attention: Annotated[
-        PlanAttention,
-        typer.Option("--attention", help="packed rows: sdpa (a dense per-document mask) or flash (varlen)"),
-    ] = PlanAttention.SDPA,
+        Attention,
+        typer.Option(
+            "--attention",
+            help="packed rows, as `dtrain train lora --attention`: sdpa keeps a dense per-document mask; auto, "
+            "sdpa_packed and flash_attention_2 keep none",
+        ),
+    ] = Attention.AUTO,
     as_json: o.Json = False,
 ) -> None:
     """Memory per GPU for LoRA fine-tuning MODEL: weights, adapter and optimizer state, activations with
@@ -87,7 +84,8 @@ def plan(
         adapter_dtype=adapter_dtype.value,
         optimizer=optimizer.value,
         packed=packed,
-        attention=attention.value,
+        # the plan tells the two apart by the mask alone: a dense B x L x L one (sdpa) or none
+        attention="sdpa" if attention is Attention.SDPA else "flash",
     )
     if nodes < 1:
         from dtrain.common.errors import UserError
