@@ -74,6 +74,8 @@ def test_check_fair(race):
     race.check_fair("A", "trl", first, None)
     race.check_fair("A", "dtrain-fused", run(False, dense), first)
     race.check_fair("B", "trl", run(True, dense), None)
+    # a row of one document (plain causal) among the first calls of one side only: its sampler's order
+    race.check_fair("A", "dtrain-fused", run(False, {**dense, "is_causal": 4}), first)
     for bad, row in (
         (run(True, dense), "A"),  # checkpointing on in the row that has it off
         (run(False, {"is_causal": 32}), "A"),  # not the other side's masks
