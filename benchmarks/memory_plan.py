@@ -108,7 +108,7 @@ CASES = (
 def shape_cases(label: str, seq_len: int, batch: int, qlora: bool = True, distributed: bool = True) -> list[Case]:
     """Every configuration the plan offers, on SHAPES[label]: LoRA (fp32 and bf16) and QLoRA, with
     and without checkpointing, packed and not, bf16 adapters, 8-bit AdamW, DDP and FSDP on two ranks
-    (checkpointing on with packed rows, and off with plain rows)."""
+    (checkpointing on with packed rows, and off with plain rows), QLoRA under DDP and FSDP too."""
     base = dict(family="llama", shape=SHAPES[label], label=label, seq_len=seq_len, batch=batch)
     cases = [
         Case(**base, precision=p, checkpointing=c, packed=k)
@@ -127,6 +127,11 @@ def shape_cases(label: str, seq_len: int, batch: int, qlora: bool = True, distri
             Case(**base, precision="bf16", checkpointing=c, packed=c, world=2, strategy=s)
             for s in ("ddp", "fsdp")
             for c in (True, False)
+        ]
+    if qlora and distributed:  # the plan's QLoRA (4-bit base, DDP) and its last resort, QLoRA sharded
+        cases += [
+            Case(**base, precision="bf16", checkpointing=True, packed=True, quant="4bit", world=2, strategy=s)
+            for s in ("ddp", "fsdp")
         ]
     return cases
 
@@ -349,6 +354,9 @@ def _rank_main(rank: int, case: Case, port: int, out: str) -> None:
                 for layer in reversed(layers):  # as dtrain.lora.sharding.shard does
                     fully_shard(layer, mesh=mesh, reshard_after_forward=layer is not layers[-1])
                 fully_shard(model, mesh=mesh)
+                from dtrain.lora import quant
+
+                quant.place_quant_states(model, torch.device("cpu"))  # as shard does (4-bit layers only)
                 return model
         else:
             from torch.nn.parallel import DistributedDataParallel as DDP
