@@ -1,12 +1,15 @@
 """The steps a job on a cluster's nodes takes over SSH, for every job (a user's program or a built-in: both are
 launched by dtrain.control.remote_program), `dtrain eval --cluster` and the node checks. Each fails with a
 one-line error that names the node:
-1. connect to every node at once (dtrain.control.ssh; host keys checked against dtrain's known_hosts);
+1. connect to every node at once (dtrain.control.ssh; host keys checked against dtrain's known_hosts; one
+   multiplexed connection per node, opened by the first command of a launch);
 2. sync dtrain's node-side code (the agent, the SDK, the built-ins' packages) to a per-run directory on each
    node, `<workdir>/runs/<run id>/code` (`code_archive`). In container mode `docker` is checked on every node
    and the image pulled on all of them at once;
-3. ask each node for its Python, torch, CPUs and GPUs (nodeagent info);
-4. check every worker can open a TCP connection to the master's rendezvous port;
+3. ask each node for its Python, torch, CPUs and GPUs (nodeagent info; for a user's program, the same
+   process that receives its code and checks its environment reports them: remote_program.deps_command);
+4. check every worker can open a TCP connection to the master's rendezvous port (check_port: the workers try
+   while the master's listener starts, at the same time as step 3);
 5. start `nodeagent run` on every node, which runs torchrun with a c10d rendezvous on the master
    (`--rdzv-conf is_host=1` there), `--local-addr` set to the node's cluster address and the run id
    as the rendezvous id; the job's environment travels over SSH's stdin, never on a command line;

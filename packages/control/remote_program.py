@@ -6,8 +6,10 @@ user's code and requirements.
    what changed travels) and hard-link a snapshot of it for this run (`<workdir>/runs/<run>/work`), so a
    later sync never changes the code of a job that is running;
 3. install requirements.txt / pyproject.toml and the setup commands once per node per content hash
-   (dtrain.common.deps), into a virtualenv that sees the node's own torch;
-4. check the rendezvous port, then start the program on every node through the node agent: a script
+   (dtrain.common.deps), into a virtualenv that sees the node's own torch. Steps 2 and 3, and the node's
+   Python/torch/CPU/GPU report when the job runs on the node's own Python, are one process per node in one
+   SSH session (deps_command: docs/decisions.md, "Start overhead"); the rendezvous port is checked meanwhile;
+4. start the program on every node through the node agent: a script
    or module under torchrun (c10d on the master, as for a built-in), a command once per node with
    NODE_RANK, NNODES, MASTER_ADDR and MASTER_PORT (the checked rendezvous port, free for its own use);
 5. on every node the agent puts the run's newest complete checkpoint copy back before a relaunch or a
@@ -171,7 +173,7 @@ def sync_workdir(
         bytes_sent=sent,
         per_node={n: {"files": s.files_sent, "bytes": s.bytes_sent} for n, s in stats.items()},
     )
-    return after
+    return {name: after[name] for name in stats}  # in inventory order, as ssh.each gives them
 
 
 def deps_args(node: Node, setup: tuple[str, ...], image: str = "") -> str:
