@@ -1,12 +1,16 @@
 """What running a user's own program through dtrain costs, side by side with doing it by hand (issue 20).
 
-    sudo .venv/bin/python benchmarks/user_code.py [--rounds 5] [--only start,sync,ckpt] [--json out.json]
+    sudo .venv/bin/python benchmarks/user_code.py [--rounds 5] [--only start,sync,ckpt,phases] [--json out.json]
 
 - start: on the two-host test bed (scripts/testbed.py: network namespaces with sshd; needs root), from
   calling `dtrain train first.py --cluster bed --nproc 1` to the script's first line (its import time,
   printed by rank 0), warm (the code and requirements already on both nodes), against plain torchrun
   started by hand over SSH on the same hosts (`ssh h0 torchrun ... first.py & ssh h1 torchrun ...`, the
   same c10d rendezvous), the two alternating round by round so the machine's load falls on both alike.
+- phases (not in the default set): where `start`'s dtrain side spends its time, on the same bed, warm: the CLI
+  under `strace -f --seccomp-bpf -e trace=execve` (needs strace), each ssh it starts named by what it runs on the
+  node (the code tar, the sync, the port check's halves, the agents, ...), printed as start-end seconds from the
+  CLI's own start, with rank 0's first line. Figures only; strace adds about 0.1 s.
 - sync: dtrain.common.codesync over SSH to one node of the bed, of a 50 MB working directory (60 files of
   random bytes, as data and weights are): the first sync, a second one with nothing changed, and one after
   one file (of 1 MB) changed, each timed from the scan to the node's answer.
