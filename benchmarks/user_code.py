@@ -1,12 +1,16 @@
 """What running a user's own program through dtrain costs, side by side with doing it by hand (issue 20).
 
-    sudo .venv/bin/python benchmarks/user_code.py [--rounds 5] [--only start,sync,ckpt] [--json out.json]
+    sudo .venv/bin/python benchmarks/user_code.py [--rounds 5] [--only start,sync,ckpt,phases] [--json out.json]
 
 - start: on the two-host test bed (scripts/testbed.py: network namespaces with sshd; needs root), from
   calling `dtrain train first.py --cluster bed --nproc 1` to the script's first line (its import time,
   printed by rank 0), warm (the code and requirements already on both nodes), against plain torchrun
   started by hand over SSH on the same hosts (`ssh h0 torchrun ... first.py & ssh h1 torchrun ...`, the
   same c10d rendezvous), the two alternating round by round so the machine's load falls on both alike.
+- phases (not in the default set): where `start`'s dtrain side spends its time, on the same bed, warm: the CLI
+  under `strace -f --seccomp-bpf -e trace=execve` (needs strace), each ssh it starts named by what it runs on the
+  node (the code tar, the sync, the port check's halves, the agents, ...), printed as start-end seconds from the
+  CLI's own start, with rank 0's first line. Figures only; strace adds about 0.1 s.
 - sync: dtrain.common.codesync over SSH to one node of the bed, of a 50 MB working directory (60 files of
   random bytes, as data and weights are): the first sync, a second one with nothing changed, and one after
   one file (of 1 MB) changed, each timed from the scan to the node's answer.
@@ -71,7 +75,7 @@ def summary(xs: list[float]) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------- start
 
 
-def bench_start(rounds: int, work: Path) -> dict[str, Any]:
+def bench_start(rounds: int, work: Path, phases: bool = False) -> dict[str, Any]:
     from testbed import Testbed
 
     bed = Testbed.create(2, work / "bed")
@@ -118,6 +122,8 @@ def bench_start(rounds: int, work: Path) -> dict[str, Any]:
             return float(m.group(1)) - t0
 
         ours()  # warm: the code and dtrain's node-side code reach the nodes once
+        if phases:
+            return bench_phases(rounds, work, proj, env)
         a, b = [], []
         for i in range(rounds):
             a.append(ours())
@@ -128,6 +134,63 @@ def bench_start(rounds: int, work: Path) -> dict[str, Any]:
                 "extra_s": summary([x - y for x, y in zip(a, b, strict=True)]), "load": load()}  # fmt: skip
     finally:
         bed.destroy()
+
+
+# (what an ssh command line runs on a node, matched in order) -> the phase it starts
+PHASES = (
+    ("-O exit", "close connections"),
+    ("nodeagent run", "agents started"),
+    ("nodeagent info", "node info"),
+    ("--sync-dest", "code sync + requirements + node info"),  # one process since the start overhead work
+    ("codesync receive", "code sync"),
+    ("deps ensure", "requirements check"),
+    ("nodeagent connect", "port check (worker)"),
+    ("nodeagent listen", "port check (listener)"),
+    ("tar -xzf", "dtrain code to the run"),
+    ("true", "connect"),
+)
+
+
+def bench_phases(rounds: int, work: Path, proj: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Where `dtrain train` spends its start: the CLI under strace (execve only, through seccomp: cheap),
+    each ssh it starts named by the command it runs on the node, timed from the CLI's own start."""
+    rows: dict[str, list[float]] = {}
+    for i in range(rounds):
+        trace = work / f"strace-{i}.txt"
+        argv = ["strace", "-f", "--seccomp-bpf", "-ttt", "-s", "600", "-e", "trace=execve", "-o", str(trace),
+                *CLI, "train", "first.py", "--cluster", "bed", "--nproc", "1",
+                "--output", str(work / "runs")]  # fmt: skip
+        t0 = time.time()
+        r = subprocess.run(argv, cwd=proj, env=env, capture_output=True, text=True, timeout=300)
+        m = re.search(r"FIRST ([\d.]+)", r.stdout)
+        assert r.returncode == 0 and m, r.stdout + r.stderr
+        first = float(m.group(1)) - t0
+        spans: dict[str, list[float]] = {}  # phase -> [first ssh started, last one ended]
+        of_pid: dict[str, str] = {}
+        for line in trace.read_text().splitlines():
+            e = re.match(r"(\d+) +([\d.]+) (?:execve\(\"[^\"]*/ssh\", \[(.*)\]|\+\+\+ exited)", line)
+            if not e:
+                continue
+            pid, at = e.group(1), float(e.group(2)) - t0
+            if e.group(3) is None:  # a process ended
+                if pid in of_pid:
+                    span = spans[of_pid[pid]]
+                    span[1] = max(span[1], at)
+                continue
+            cmd = e.group(3).rsplit('"--", ', 1)[-1]
+            phase = next((name for needle, name in PHASES if needle in cmd), "")
+            if phase and (phase == "connect" or "-O" not in e.group(3) or phase == "close connections"):
+                of_pid[pid] = phase
+                spans.setdefault(phase, [at, at])
+        spans["first line of rank 0"] = [first, first]
+        if "agents started" in spans:  # their ssh live as long as the job
+            spans["agents started"][1] = spans["agents started"][0]
+        order = sorted(spans.items(), key=lambda kv: kv[1][0])
+        print(f"phases round {i + 1} (load {load()}): "
+              + ", ".join(f"{k} {a:.2f}-{b:.2f}" for k, (a, b) in order), flush=True)  # fmt: skip
+        for k, (a, _b) in spans.items():
+            rows.setdefault(k, []).append(a)
+    return {k: summary(v) for k, v in sorted(rows.items(), key=lambda kv: statistics.median(kv[1]))}
 
 
 # ---------------------------------------------------------------------------------------------- sync
@@ -228,8 +291,8 @@ def main() -> int:
     results: dict[str, Any] = {}
     try:
         for what in a.only.split(","):
-            if what == "start":
-                results["start"] = bench_start(a.rounds, work)
+            if what in ("start", "phases"):
+                results[what] = bench_start(a.rounds, work, phases=what == "phases")
             elif what == "sync":
                 results["sync"] = bench_sync(a.rounds, work)
             elif what == "ckpt":

@@ -16,7 +16,10 @@ Standard library only: the node agent runs this on nodes before anything else is
 Command line: `python -m dtrain.common.deps ensure --code-dir D --envs E [--setup CMD]... [--node N]
 [--image IMAGE [--docker CMD]]` prints the EnvResult as one JSON line (exit 0), or the one-line error on
 stderr (exit 2). With --image, the environment is built by that image's Python in a container
-(ensure_in_image), for a job that runs in the image.
+(ensure_in_image), for a job that runs in the image. A launch adds `--sync-dest DIR --sync-snapshot S` (first
+receive the working directory: dtrain.common.codesync's node half over stdin/stdout) and `--info-addr A
+--info-workdir W` (when nothing is installed, a second JSON line: `nodeagent info --cached`'s), so that one
+process in one SSH session does all three.
 """
 
 from __future__ import annotations
@@ -456,8 +459,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ensure.add_argument("--python", default=sys.executable, help="the base interpreter (default: this one)")
     ensure.add_argument("--image", default="", help="build it with this image's Python, in a container")
     ensure.add_argument("--docker", default="docker", help="the docker command (with --image)")
+    ensure.add_argument("--sync-dest", type=Path, help="first receive the code (codesync's node half) into this")
+    ensure.add_argument("--sync-snapshot", type=Path, help="with --sync-dest: its hard-link copy for this run")
+    ensure.add_argument("--info-addr", help="nothing to install: then also print `nodeagent info --cached`'s line")
+    ensure.add_argument("--info-workdir", default=".", help="with --info-addr: the workdir whose disk it reports")
     args = parser.parse_args(argv)
     say = functools.partial(print, file=sys.stderr, flush=True)
+    if args.sync_dest is not None:  # a launch's code sync and environment check in one process (one SSH session)
+        from dtrain.common.codesync import receive
+
+        try:
+            receive(args.sync_dest, sys.stdin.buffer, sys.stdout.buffer, snapshot=args.sync_snapshot)
+        except UserError as e:
+            print(f"dtrain code sync: {e}", file=sys.stderr)
+            return 1
     try:
         if args.image:
             found = ensure_in_image(args.code_dir, args.envs, image=args.image, docker=shlex.split(args.docker),
@@ -476,6 +491,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return int(e.exit_code)
     print(json.dumps(dataclasses.asdict(result)), flush=True)
+    if args.info_addr is not None and not result.key:  # the job runs on this interpreter: what it has, too
+        from dtrain.common.nodeagent import info_cached
+
+        print(json.dumps(info_cached(str(args.info_workdir), args.info_addr)), flush=True)
     return int(ExitCode.OK)
 
 

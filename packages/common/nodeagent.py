@@ -200,7 +200,10 @@ def smi_gpus() -> list[dict[str, Any]]:
 
 
 def listen(addr: str, ports: list[int], seconds: float) -> int:
-    """Accept connections on each port for `seconds`; prints one JSON line once all are bound."""
+    """Accept connections on each port for `seconds`, or until stdin closes (the caller is done, or gone: the
+    ports are freed at once, for the job that is about to bind them); prints one JSON line once all are bound."""
+    import selectors
+
     socks = []
     for p in ports:
         s = socket.socket()
@@ -211,41 +214,52 @@ def listen(addr: str, ports: list[int], seconds: float) -> int:
             print(json.dumps({"listening": False, "port": p, "error": e.strerror or str(e)}), flush=True)
             return 1
         s.listen(64)
-        s.settimeout(0.2)
         socks.append(s)
     print(json.dumps({"listening": True, "ports": [s.getsockname()[1] for s in socks]}), flush=True)
-    closed = threading.Event()  # stdin's EOF: the caller is done (or gone); free the ports now
+    closed, wake = socket.socketpair()  # stdin's EOF (whatever stdin is) wakes the loop below at once
 
     def watch() -> None:
-        sys.stdin.read()
-        closed.set()
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdin.buffer.read()
+        wake.close()
 
     threading.Thread(target=watch, daemon=True).start()
+    sel = selectors.DefaultSelector()
+    for s in (*socks, closed):
+        sel.register(s, selectors.EVENT_READ)
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not closed.is_set():
-        for s in socks:
-            try:
-                conn, _ = s.accept()
-            except TimeoutError:
-                continue
-            conn.close()
+    while (left := deadline - time.monotonic()) > 0:
+        for key, _ in sel.select(left):
+            if key.fileobj is closed:
+                deadline = 0
+            else:
+                with contextlib.suppress(OSError):
+                    key.fileobj.accept()[0].close()  # type: ignore[union-attr]
     for s in socks:
         s.close()
     return 0
 
 
-def connect(targets: list[str], timeout: float) -> int:
-    """Try a TCP connection to each HOST:PORT; one JSON line with the results."""
+def connect(targets: list[str], timeout: float, refused_retry: float = 0.0) -> int:
+    """Try a TCP connection to each HOST:PORT; one JSON line with the results. A refused connection is tried
+    again for up to `refused_retry` seconds (the listener may still be starting)."""
     results = []
     for t in targets:
         host, _, port = t.rpartition(":")
         t0 = time.monotonic()
-        try:
-            socket.create_connection((host, int(port)), timeout=timeout).close()
-            results.append({"to": t, "ok": True, "ms": round((time.monotonic() - t0) * 1000, 1)})
-        except OSError as e:
-            reason = "timed out" if isinstance(e, (TimeoutError, socket.timeout)) else (e.strerror or str(e))
-            results.append({"to": t, "ok": False, "error": reason})
+        while True:
+            try:
+                socket.create_connection((host, int(port)), timeout=timeout).close()
+                results.append({"to": t, "ok": True, "ms": round((time.monotonic() - t0) * 1000, 1)})
+            except ConnectionRefusedError as e:
+                if time.monotonic() - t0 < refused_retry:
+                    time.sleep(0.05)
+                    continue
+                results.append({"to": t, "ok": False, "error": e.strerror or str(e), "refused": True})
+            except OSError as e:
+                reason = "timed out" if isinstance(e, (TimeoutError, socket.timeout)) else (e.strerror or str(e))
+                results.append({"to": t, "ok": False, "error": reason})
+            break
     print(json.dumps({"results": results}), flush=True)
     return 0 if all(r["ok"] for r in results) else 1
 
@@ -830,6 +844,7 @@ def main(argv: list[str] | None = None) -> int:
     pc = sub.add_parser("connect")
     pc.add_argument("--to", action="append", required=True)
     pc.add_argument("--timeout", type=float, default=3.0)
+    pc.add_argument("--refused-retry", type=float, default=0.0, help="try a refused connection again this long")
     pr = sub.add_parser("run")
     pr.add_argument("--spec-env", default="", help="read the spec from this variable; control by INT and TERM")
     a = p.parse_args(argv)
@@ -839,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "listen":
         return listen(a.addr, a.port, a.seconds)
     if a.cmd == "connect":
-        return connect(a.to, a.timeout)
+        return connect(a.to, a.timeout, a.refused_retry)
     return run(a.spec_env)
 
 

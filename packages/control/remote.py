@@ -1,12 +1,15 @@
 """The steps a job on a cluster's nodes takes over SSH, for every job (a user's program or a built-in: both are
 launched by dtrain.control.remote_program), `dtrain eval --cluster` and the node checks. Each fails with a
 one-line error that names the node:
-1. connect to every node at once (dtrain.control.ssh; host keys checked against dtrain's known_hosts);
+1. connect to every node at once (dtrain.control.ssh; host keys checked against dtrain's known_hosts; one
+   multiplexed connection per node, opened by the first command of a launch);
 2. sync dtrain's node-side code (the agent, the SDK, the built-ins' packages) to a per-run directory on each
    node, `<workdir>/runs/<run id>/code` (`code_archive`). In container mode `docker` is checked on every node
    and the image pulled on all of them at once;
-3. ask each node for its Python, torch, CPUs and GPUs (nodeagent info);
-4. check every worker can open a TCP connection to the master's rendezvous port;
+3. ask each node for its Python, torch, CPUs and GPUs (nodeagent info; for a user's program, the same
+   process that receives its code and checks its environment reports them: remote_program.deps_command);
+4. check every worker can open a TCP connection to the master's rendezvous port (check_port: the workers try
+   while the master's listener starts, at the same time as step 3);
 5. start `nodeagent run` on every node, which runs torchrun with a c10d rendezvous on the master
    (`--rdzv-conf is_host=1` there), `--local-addr` set to the node's cluster address and the run id
    as the rendezvous id; the job's environment travels over SSH's stdin, never on a command line;
@@ -24,6 +27,7 @@ one-line error that names the node:
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -59,6 +63,7 @@ FAIL_FAST_GRACE_S = 15.0  # a node failed: the others get this long to notice be
 HANG_GRACE_S = 5.0  # a node reported a hang: the others get SIGTERM, and SIGKILL this much later
 SILENT_FLOOR_S = 30.0  # an agent that printed nothing (not even its "alive" line) this long, at least: hung
 PORT_CHECK_TIMEOUT_S = 5.0
+EARLY_CONNECT_S = 3.0  # check_port: a client started with the listener tries a refused port again this long
 LOG_SYNC_S = 2.0  # a node's lines reach the run's logs/ at least this often (and at the end)
 JOB_ENDED = "dtrain: job ended"  # the last line of each node's log for one launch of the job
 # Passed to the job on every node when set here (over stdin, never on a command line or in a log).
@@ -160,17 +165,21 @@ def node_info(ssh: SSH, node: Node, run_id: str) -> NodeInfo:
 
 
 def node_infos(ssh: SSH, run_id: str, *, container: bool = False) -> dict[str, NodeInfo]:
-    infos = ssh.each(lambda node: node_info(ssh, node, run_id))
+    return checked_infos(ssh.cluster, ssh.each(lambda node: node_info(ssh, node, run_id)), container=container)
+
+
+def checked_infos(cluster: Cluster, infos: dict[str, NodeInfo], *, container: bool = False) -> dict[str, NodeInfo]:
+    """`infos` (node -> what `nodeagent info` said), once every node has torch and the master's versions."""
     if container:
         return infos  # torch and its Python are the image's, the same on every node
-    for node in ssh.cluster.nodes:
+    for node in cluster.nodes:
         if infos[node.name].torch is None:
             raise NodeError(
                 node,
                 f"{node.python} has no torch ({infos[node.name].raw.get('torch_error', '')}): install dtrain's "
                 "training dependencies there, or point python = ... at an environment that has them",
             )
-    check_versions(ssh.cluster, infos)
+    check_versions(cluster, infos)
     return infos
 
 
@@ -270,7 +279,11 @@ def check_versions(cluster: Cluster, infos: dict[str, NodeInfo]) -> None:
 
 
 def check_port(ssh: SSH, run_id: str, server: Node, port: int, clients: Sequence[Node], what: str) -> None:
-    """Every client can open a TCP connection to server:port (nothing else listening there)."""
+    """Every client can open a TCP connection to server:port (nothing else listening there). For a fixed port the
+    clients start trying while the listener starts (a refused connection is tried again for EARLY_CONNECT_S); a
+    client still refused then (the listener may have been slower) is checked again once the listener is known to be
+    up, so a refusal fails the launch only from that second check. A timeout (a firewall dropping the packets) is
+    the answer either way."""
     if not clients:
         return
     listener = ssh.popen(
@@ -280,6 +293,20 @@ def check_port(ssh: SSH, run_id: str, server: Node, port: int, clients: Sequence
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
+
+    def attempt(node: Node, target: str, retry: float) -> dict[str, Any]:
+        args = ["connect", "--to", target, "--timeout", str(PORT_CHECK_TIMEOUT_S), "--refused-retry", str(retry)]
+        p = ssh.run(node, agent_command(node, run_id, *args), timeout=PORT_CHECK_TIMEOUT_S + retry + 60, check=False)
+        try:
+            return json.loads(p.stdout.decode().strip().splitlines()[-1])["results"][0]
+        except (ValueError, IndexError, KeyError):
+            raise NodeError(node, f"port check printed no result: {p.stderr.decode(errors='replace')[-200:]}") from None
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1) if port else None
+    early = None
+    if pool is not None:
+        target = f"{server.address}:{port}"
+        early = pool.submit(ssh.each, lambda n: attempt(n, target, EARLY_CONNECT_S), clients)
     try:
         first = listener.stdout.readline().decode(errors="replace")  # type: ignore[union-attr]
         try:
@@ -295,21 +322,14 @@ def check_port(ssh: SSH, run_id: str, server: Node, port: int, clients: Sequence
                 f"{what} port {port} is not free there ({state.get('error')}): stop what uses it, or set rdzv_port",
             )
         port = state["ports"][0]  # the port the OS gave, when asked for any (0)
+        target = f"{server.address}:{port}"
+        known: dict[str, dict[str, Any]] = {}  # what the early tries settled: through, or not for a refusal
+        if early is not None:
+            with contextlib.suppress(Exception):  # a refusal, or no answer: checked again below, the listener up
+                known = {name: r for name, r in early.result().items() if not r.get("refused")}
 
         def one(node: Node) -> None:
-            target = f"{server.address}:{port}"
-            p = ssh.run(
-                node,
-                agent_command(node, run_id, "connect", "--to", target, "--timeout", str(PORT_CHECK_TIMEOUT_S)),
-                timeout=PORT_CHECK_TIMEOUT_S + 60,
-                check=False,
-            )
-            try:
-                result = json.loads(p.stdout.decode().strip().splitlines()[-1])["results"][0]
-            except (ValueError, IndexError, KeyError):
-                raise NodeError(
-                    node, f"port check printed no result: {p.stderr.decode(errors='replace')[-200:]}"
-                ) from None
+            result = known.get(node.name) or attempt(node, target, 0.0)
             if not result["ok"]:
                 raise UserError(
                     f"node {node.name} cannot reach {server.name} ({target}) on TCP port {port}, the {what} port "
@@ -325,6 +345,8 @@ def check_port(ssh: SSH, run_id: str, server: Node, port: int, clients: Sequence
         except subprocess.TimeoutExpired:
             listener.kill()
             listener.wait()
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 def job_spec(

@@ -6,8 +6,10 @@ user's code and requirements.
    what changed travels) and hard-link a snapshot of it for this run (`<workdir>/runs/<run>/work`), so a
    later sync never changes the code of a job that is running;
 3. install requirements.txt / pyproject.toml and the setup commands once per node per content hash
-   (dtrain.common.deps), into a virtualenv that sees the node's own torch;
-4. check the rendezvous port, then start the program on every node through the node agent: a script
+   (dtrain.common.deps), into a virtualenv that sees the node's own torch. Steps 2 and 3, and the node's
+   Python/torch/CPU/GPU report when the job runs on the node's own Python, are one process per node in one
+   SSH session (deps_command: docs/decisions.md, "Start overhead"); the rendezvous port is checked meanwhile;
+4. start the program on every node through the node agent: a script
    or module under torchrun (c10d on the master, as for a built-in), a command once per node with
    NODE_RANK, NNODES, MASTER_ADDR and MASTER_PORT (the checked rendezvous port, free for its own use);
 5. on every node the agent puts the run's newest complete checkpoint copy back before a relaunch or a
@@ -25,6 +27,7 @@ import os
 import shlex
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,8 +45,10 @@ from dtrain.control.remote import (
     JOB_ENDED,
     LogFiles,
     NodeError,
+    NodeInfo,
     check_docker,
     check_port,
+    checked_infos,
     code_archive,
     hang_spec,
     node_infos,
@@ -84,36 +89,75 @@ def sync_excludes(job: Any, run_url: str) -> list[str]:
 
 
 def sync_workdir(
-    ssh: SSH, t: Target, workdir: Path, exclude: list[str], events: Events, *, nodes: Any = None, limit_mb: int = 0
-) -> None:
+    ssh: SSH,
+    t: Target,
+    workdir: Path,
+    exclude: list[str],
+    events: Events,
+    *,
+    nodes: Any = None,
+    limit_mb: int = 0,
+    receiver: Any = None,
+) -> dict[str, str]:
     """The working directory to every node at once (only what changed), and this run's snapshot of it;
-    `nodes`: the hosts that hold the run's files, when not every node of ssh's cluster (a Slurm login node)."""
+    `nodes`: the hosts that hold the run's files, when not every node of ssh's cluster (a Slurm login node).
+    `receiver(node, dest, snapshot)`: the node's command line (run in its run directory) instead of codesync's
+    `receive`; it speaks the sync's protocol first, then may print more, which is returned, per node (a launch's
+    environment check and node info: deps_command). Its failure after the sync is its stderr's last line."""
     from dtrain.common.codesync import scan, send
 
     t0 = time.monotonic()
     manifest = scan(workdir, exclude=exclude, **({"limit_bytes": limit_mb << 20} if limit_mb else {}))
     key = project_key(workdir)
+    after: dict[str, str] = {}
 
     def one(node: Node) -> Any:
-        rd = run_dir(node, t.run_id)
+        rd, dest = run_dir(node, t.run_id), f"../../code/{key}"
         line = (
-            f'cd {shlex.quote(rd)} && PYTHONPATH="$PWD/code" exec {shlex.quote(node.python)} -m dtrain.common.codesync '
-            f"receive --dest ../../code/{shlex.quote(key)} --snapshot work"
+            receiver(node, dest, "work")
+            if receiver
+            else f"{shlex.quote(node.python)} -m dtrain.common.codesync receive --dest {shlex.quote(dest)} "
+            "--snapshot work"
         )
+        line = f'cd {shlex.quote(rd)} && PYTHONPATH="$PWD/code" exec {line}'
         p = ssh.popen(node, line, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        errs: list[bytes] = []  # its stderr, read alongside so that a chatty step (pip) cannot stall on it
+        reader = threading.Thread(target=lambda: errs.append(p.stderr.read()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        # The whole exchange is bounded: the sync's timeout, and with a receiver an install's as well.
+        timer = threading.Timer(CODE_SYNC_TIMEOUT_S + (DEPS_TIMEOUT_S if receiver else 0), p.kill)
+        timer.start()
+
+        def last_error() -> str:
+            reader.join(timeout=10)
+            lines = b"".join(errs).decode(errors="replace").strip().splitlines()
+            return lines[-1] if lines else ""
+
         try:
-            stats = send(manifest, p.stdout, p.stdin)
-        except UserError as e:
-            raise NodeError(node, f"code sync failed: {e}") from None
-        except (OSError, ValueError):
-            p.kill()
-            err = p.stderr.read().decode(errors="replace").strip().splitlines()[-1:]  # type: ignore[union-attr]
-            raise NodeError(node, f"code sync failed: {err[0] if err else 'the connection closed'}") from None
+            try:
+                stats = send(manifest, p.stdout, p.stdin)
+            except UserError as e:
+                p.kill()
+                raise NodeError(node, f"code sync failed: {e}") from None
+            except (OSError, ValueError):
+                p.kill()
+                p.wait()
+                raise NodeError(node, f"code sync failed: {last_error() or 'the connection closed'}") from None
+            with contextlib.suppress(OSError):
+                p.stdin.close()  # type: ignore[union-attr]
+            out = p.stdout.read()  # type: ignore[union-attr]  # what follows the sync (buffered lines included)
+            p.wait()
         finally:
+            timer.cancel()
             for f in (p.stdin, p.stdout):
                 with contextlib.suppress(OSError):
                     f.close()  # type: ignore[union-attr]
-            p.wait(timeout=CODE_SYNC_TIMEOUT_S)
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        if receiver and p.returncode != 0:
+            raise UserError(last_error() or f"node {node.name}: installing requirements failed (exit {p.returncode})")
+        after[node.name] = out.decode(errors="replace")
         return stats
 
     stats = ssh.each(one, nodes)
@@ -129,41 +173,49 @@ def sync_workdir(
         bytes_sent=sent,
         per_node={n: {"files": s.files_sent, "bytes": s.bytes_sent} for n, s in stats.items()},
     )
+    return {name: after[name] for name in stats}  # in inventory order, as ssh.each gives them
 
 
-def ensure_deps(ssh: SSH, t: Target, setup: tuple[str, ...], events: Events, image: str = "") -> dict[str, str]:
-    """Each node's Python for the job: a virtualenv with the project's requirements (made once per content
-    hash, then reused), or the node's own when there is nothing to install. With `image` (container mode) the
-    virtualenv is made by the image's Python in a container (dtrain.common.deps.ensure_in_image), under
-    envs/image-<image id>/ of the node's workdir, mounted at the same path there and in the job's container."""
+def deps_args(node: Node, setup: tuple[str, ...], image: str = "") -> str:
+    """`python -m dtrain.common.deps ensure`'s line on `node` (from its run directory, the code synced): make or
+    reuse the job's environment there; it prints the result as a JSON line."""
+    args = ["--node", node.name]
+    for cmd in setup:
+        args += ["--setup", cmd]
+    if image:  # built by the image's Python, in a container (dtrain.common.deps.ensure_in_image)
+        args += ["--image", image, "--docker", node.docker]
+    # Absolute paths (from the node's $PWD): the interpreter it prints is started from another folder.
+    return (
+        f'{shlex.quote(node.python)} -m dtrain.common.deps ensure --code-dir "$PWD/work" '
+        f'--envs "$(cd ../.. && pwd)/envs" {shlex.join(args)}'
+    )
 
-    def one(node: Node) -> dict[str, Any]:
-        rd = run_dir(node, t.run_id)
-        args = ["--node", node.name]
-        for cmd in setup:
-            args += ["--setup", cmd]
-        if image:  # built by the image's Python, in a container (dtrain.common.deps.ensure_in_image)
-            args += ["--image", image, "--docker", node.docker]
-        # Absolute paths (from the node's $PWD): the interpreter it prints is started from another folder.
-        line = (
-            f'cd {shlex.quote(rd)} && PYTHONPATH="$PWD/code" exec {shlex.quote(node.python)} -m dtrain.common.deps '
-            f'ensure --code-dir "$PWD/work" --envs "$(cd ../.. && pwd)/envs" {shlex.join(args)}'
-        )
-        p = ssh.run(node, line, timeout=DEPS_TIMEOUT_S, check=False)
-        if p.returncode != 0:
-            err = p.stderr.decode(errors="replace").strip().splitlines()
-            raise UserError(
-                err[-1] if err else f"node {node.name}: installing requirements failed (exit {p.returncode})"
-            )
-        return json.loads(p.stdout.decode().strip().splitlines()[-1])
 
-    results = ssh.each(one)
-    made = [n for n, r in results.items() if r.get("created")]
-    keys = {r.get("key") for r in results.values() if r.get("key")}
+def deps_command(setup: tuple[str, ...], image: str = "", *, info: bool = False) -> Any:
+    """A sync_workdir `receiver`: one process per node receives the code, then makes or reuses the environment
+    (deps_args), then, with `info` and nothing to install, prints what `nodeagent info --cached` would."""
+
+    def line(node: Node, dest: str, snapshot: str) -> str:
+        extra = ["--sync-dest", dest, "--sync-snapshot", snapshot]
+        extra += ["--info-addr", node.address, "--info-workdir", "../.."] if info else []
+        return f"{deps_args(node, setup, image)} {shlex.join(extra)}"
+
+    return line
+
+
+def deps_result(results: dict[str, str], events: Events) -> dict[str, dict[str, Any]]:
+    """What the deps line printed on each node (its first JSON line after the sync: EnvResult; "info": the
+    `nodeagent info` line that may follow), and one "deps" event."""
+    parsed: dict[str, dict[str, Any]] = {}
+    for n, out in results.items():
+        lines = [x for x in out.strip().splitlines() if x.startswith("{")]
+        parsed[n] = {**json.loads(lines[0]), "info": lines[1] if len(lines) > 1 else None}
+    made = [n for n, r in parsed.items() if r.get("created")]
+    keys = {r.get("key") for r in parsed.values() if r.get("key")}
     if keys:
         how = f"installed on {', '.join(made)}" if made else "reused on every node"
         events.emit("deps", f"requirements {how} (env {', '.join(sorted(keys))})", created=made, keys=sorted(keys))
-    return {n: str(r["python"]) for n, r in results.items()}
+    return parsed
 
 
 def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
@@ -186,28 +238,40 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
     attempt = 0
     try:
         with SSH(cluster, accept_new_host_keys=req.accept_new_host_keys) as ssh:
-            ssh.connect_all()
             t0 = time.monotonic()
+            # The first command opens the connection to every node (its errors name the node): no `true` first.
             sync_code(ssh, t.run_id, archive)
             if image:
                 check_docker(ssh)
                 events.info(f"pulled {image} on {len(cluster.nodes)} node(s) in {pull_image(ssh, image):.1f} s")
-            # The rendezvous port is checked while the code and requirements go out (they do not touch it).
+            torchrun = job.program.under_torchrun
+            container = bool(image) or not torchrun
+            # While the code goes out and the environment is checked (one process per node, in one SSH session,
+            # which also reports the node's Python, torch, CPUs and GPUs when the job runs on that Python), the
+            # rendezvous port is checked: neither touches what the other does.
+            infos: dict[str, NodeInfo] | None = None
             with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
                 port_checked = pool.submit(
                     check_port, ssh, t.run_id, cluster.master, cluster.rdzv_port, cluster.nodes[1:], "rendezvous"
                 )
                 if job.workdir is not None:  # a built-in's code is dtrain's own, synced above
-                    sync_workdir(ssh, t, job.workdir, exclude, events, limit_mb=job.code_limit_mb)
-                    pythons = ensure_deps(ssh, t, job.setup, events, image)
+                    receiver = deps_command(job.setup, image, info=not image)
+                    out = sync_workdir(ssh, t, job.workdir, exclude, events, limit_mb=job.code_limit_mb,
+                                       receiver=receiver)  # fmt: skip
+                    envs = deps_result(out, events)
+                    pythons = {n: str(r["python"]) for n, r in envs.items()}
+                    if all(r["info"] for r in envs.values()):
+                        infos = {n.name: NodeInfo.parse(n, envs[n.name]["info"]) for n in cluster.nodes}
                 else:  # the node's Python, or in container mode the image's (as deps.ensure_in_image gives it)
                     pythons = {n.name: "python3" if image else n.python for n in cluster.nodes}
                 port_checked.result()
             nodes = tuple(dataclasses.replace(n, python=pythons[n.name]) for n in cluster.nodes)
             cluster = dataclasses.replace(cluster, nodes=nodes)
             ssh.cluster = cluster
-            torchrun = job.program.under_torchrun
-            infos = node_infos(ssh, t.run_id, container=bool(image) or not torchrun)
+            if infos is None:  # a built-in, or the job's own environment (its requirements): ask that Python
+                infos = node_infos(ssh, t.run_id, container=container)
+            else:
+                infos = checked_infos(cluster, infos, container=container)
             m = infos[cluster.master.name]
             n = 1
             if torchrun:

@@ -220,3 +220,48 @@ def test_concurrent_callers_build_once(tmp_path: Path, package_index: None):
     assert sorted(r["created"] for r in results) == [False, True]
     assert len({r["python"] for r in results}) == 1
     assert step_names(results[0]["log_file"]) == ["python -m venv", "pip install (requirements.txt)"]
+
+
+# --- a launch's one process per node: code sync, environment, node info ---------------------------
+
+
+def test_one_process_syncs_the_code_checks_the_env_and_reports_the_node(tmp_path: Path):
+    """What a launch runs on each node (dtrain.control.remote_program.deps_command): codesync's node half, then
+    `ensure`, then, with nothing to install, `nodeagent info --cached`'s line, all in one process."""
+    from dtrain.common import codesync
+
+    code = project(tmp_path / "here")
+    run = tmp_path / "node" / "runs" / "r1"
+    run.mkdir(parents=True)
+    argv = [BASE_PYTHON, "-m", "dtrain.common.deps", "ensure", "--code-dir", str(run / "work"),
+            "--envs", str(tmp_path / "node" / "envs"), "--sync-dest", str(tmp_path / "node" / "code" / "p"),
+            "--sync-snapshot", str(run / "work"),
+            "--info-addr", "127.0.0.1", "--info-workdir", str(tmp_path)]  # fmt: skip
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stats = codesync.send(codesync.scan(code), proc.stdout, proc.stdin)
+    proc.stdin.close()
+    rest, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert stats.files_sent == 1 and (run / "work" / "train.py").read_text() == "print('hi')\n"
+    env, info = (json.loads(line) for line in rest.strip().splitlines())
+    assert env == {"python": BASE_PYTHON, "key": "", "created": False, "log_file": None, "seconds": 0.0}
+    assert info["python"] == ".".join(map(str, sys.version_info[:3])) and info["cpus"] >= 1
+    assert info["torch"], info  # this venv has torch, and the launch checks it from this line
+
+
+def test_a_node_that_cannot_sync_installs_nothing(tmp_path: Path):
+    """The sync's failure ends the process: one line on stderr, no environment step after it."""
+    from dtrain.common import codesync
+
+    code = project(tmp_path / "here", f"{PACKAGE}\n")
+    (tmp_path / "blocked").write_text("a file where the code's folder should be\n")
+    argv = [BASE_PYTHON, "-m", "dtrain.common.deps", "ensure", "--code-dir", str(tmp_path / "blocked" / "work"),
+            "--envs", str(tmp_path / "envs"), "--sync-dest", str(tmp_path / "blocked" / "p")]  # fmt: skip
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with pytest.raises(Exception, match="code sync failed"):
+        codesync.send(codesync.scan(code), proc.stdout, proc.stdin)
+    proc.stdin.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1
+    assert err.startswith("dtrain code sync: "), err
+    assert not (tmp_path / "envs").exists()
