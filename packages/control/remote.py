@@ -45,6 +45,7 @@ from typing import IO, Any
 
 from dtrain.common import jobenv
 from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.launch import torchrun_argv
 from dtrain.common.metrics import PROGRESS_PREFIX
 from dtrain.common.nodeagent import CONTAINER_MOUNTS, CONTROL_PREFIX, INNER_SPEC_ENV, job_container_name
 from dtrain.common.progress import StragglerSet
@@ -360,22 +361,16 @@ def job_spec(
         env["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # c10d's warnings (reverse DNS of peers, ...) are noise here
     env.update({k: os.environ[k] for k in FORWARD_ENV if os.environ.get(k)})
     env.update(cluster.env)
-    torchrun = [
-        "--nnodes", str(len(cluster.nodes)),
-        "--nproc-per-node", str(nproc),
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"{master.address}:{cluster.rdzv_port}",
-        "--rdzv-id", run_id,
-        "--rdzv-conf", f"is_host={int(node.name == master.name)},join_timeout={cluster.rdzv_timeout}",
-        "--local-addr", node.address,
-        "--max-restarts", str(max_restarts),
-        "-m", module,
-        *argv,
-    ]  # fmt: skip
+    # In container mode, torchrun runs on the image's Python.
+    torchrun = torchrun_argv(
+        "python3" if cluster.image else node.python, ["-m", module, *argv], nproc=nproc, run_id=run_id,
+        max_restarts=max_restarts, nnodes=len(cluster.nodes), master=f"{master.address}:{cluster.rdzv_port}",
+        is_host=node.name == master.name, join_timeout=cluster.rdzv_timeout, local_addr=node.address,
+    )  # fmt: skip
     # Without an `interface`, the agent finds the one that holds the node's address (nodeagent.socket_interface).
     common = {"env": env, "grace_s": jobenv.STOP_GRACE_S, "ifname_for": node.address, "hang": hang_spec(hang_timeout)}
     if not cluster.image:
-        return {"argv": [node.python, "-m", "dtrain.common.launch", *torchrun], **common}
+        return {"argv": torchrun, **common}
     named = dict(paths or {})
     builtin = [[f"runs/{run_id}", f"/runs/{run_id}", "rw"], *map(list, CONTAINER_MOUNTS)]
     # A path the user named wins over a built-in mount at the same place (docker refuses duplicates).
@@ -383,7 +378,7 @@ def job_spec(
     # An agent inside the container runs torchrun, as it does a user's program there (nodeagent.program_container):
     # it sees the ranks' processes and heartbeats, so a hang is found and its stacks dumped in the image too. Its
     # spec travels by name, like the job's environment.
-    inner = {"argv": ["python3", "-m", "dtrain.common.launch", *torchrun], "env": {}, "grace_s": jobenv.STOP_GRACE_S,
+    inner = {"argv": torchrun, "env": {}, "grace_s": jobenv.STOP_GRACE_S,
              "hang": common["hang"]}  # fmt: skip
     container = {
         "image": cluster.image,

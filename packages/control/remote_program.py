@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.launch import torchrun_argv
 from dtrain.common.rundir import CKPT_PREFIX
 from dtrain.common.runrecord import job_outcome, update_status
 from dtrain.common.storage import is_remote
@@ -326,18 +327,11 @@ def program_spec(
     else:
         env["TORCH_CPP_LOG_LEVEL"] = env.get("TORCH_CPP_LOG_LEVEL", "ERROR")
     if torchrun:
-        argv = [
-            node.python, "-m", "dtrain.common.launch",
-            "--nnodes", str(len(cluster.nodes)),
-            "--nproc-per-node", str(nproc),
-            "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"{master.address}:{cluster.rdzv_port}",
-            "--rdzv-id", t.run_id,
-            "--rdzv-conf", f"is_host={int(node.name == master.name)},join_timeout={cluster.rdzv_timeout}",
-            "--local-addr", node.address,
-            "--max-restarts", "0",
-            *job.program.torchrun_tail(),
-        ]  # fmt: skip
+        argv = torchrun_argv(
+            node.python, job.program.torchrun_tail(), nproc=nproc, run_id=t.run_id, nnodes=len(cluster.nodes),
+            master=f"{master.address}:{cluster.rdzv_port}", is_host=node.name == master.name,
+            join_timeout=cluster.rdzv_timeout, local_addr=node.address,
+        )  # fmt: skip
     else:
         argv = job.program.command_argv()
     # The job's Python first on PATH: `python`, and the tools its virtualenv installed (accelerate, deepspeed).
