@@ -418,7 +418,7 @@ def _run_on_master(
     """One process on the cluster's master through its node agent, the code synced there as for training
     (into <workdir>/runs/<label>/code). Not torchrun: one process needs no rendezvous, and the
     rendezvous port may be taken by a training job running there now."""
-    from dtrain.control.remote import NodeAgents, code_archive, job_spec, node_infos, sync_code
+    from dtrain.control.remote import NodeAgents, NodeWork, code_archive, node_infos, node_spec, sync_code
     from dtrain.control.ssh import SSH
 
     cluster = dataclasses.replace(target.cluster, nodes=(target.cluster.master,))
@@ -428,10 +428,8 @@ def _run_on_master(
         ssh.connect_all()
         sync_code(ssh, label, archive)
         info = node_infos(ssh, label)[master.name]
-        spec = job_spec(
-            cluster, master, module=MODULE, run_id=label, nproc=1, threads=max(1, info.cpus), max_restarts=0, argv=[]
-        )
-        spec["argv"] = [master.python, "-m", MODULE, *argv]
+        work = NodeWork(tail=[master.python, "-m", MODULE, *argv], torchrun=False)
+        spec = node_spec(cluster, master, work, run_id=label, nproc=1, threads=max(1, info.cpus))
         events.emit("stage", f"running on {master.describe()}")
 
         def relay(ev: Event) -> None:  # the job's lines go through `lines`, which keeps its error line

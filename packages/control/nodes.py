@@ -278,16 +278,12 @@ def _allreduce(
 
     gpus = infos[c.master.name].gpus
     nproc = gpus or 1
+    work = remote.NodeWork(tail=["-m", "dtrain.common.allreduce_check", "--mib", str(mib)])
+    if c.image:  # container mode: torchrun on the image's Python, as a built-in's job runs there
+        c = dataclasses.replace(c, nodes=tuple(dataclasses.replace(n, python="python3") for n in c.nodes))
     specs = {
-        n.name: remote.job_spec(
-            c,
-            n,
-            module="dtrain.common.allreduce_check",
-            run_id=run_id,
-            nproc=nproc,
-            threads=max(1, infos[n.name].cpus // nproc),
-            max_restarts=0,
-            argv=["--mib", str(mib)],
+        n.name: remote.node_spec(
+            c, n, work, run_id=run_id, nproc=nproc, threads=max(1, infos[n.name].cpus // nproc), gpus=infos[n.name].gpus
         )
         for n in c.nodes
     }
