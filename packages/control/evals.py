@@ -101,8 +101,9 @@ def resolve(req: RunRequest) -> EvalTarget:
     out = run_output(settings, where)  # a gcp cluster's runs are in its bucket
     run = locate(out, req.run)
     saved = records.run_config(run)
-    if not launchers.over_ssh(where):
+    if launchers.has(where, launchers.Feature.LOCAL):
         return EvalTarget(run, saved, None)
+    launchers.require(where, launchers.Feature.EVAL, "dtrain eval --cluster")
     if where.image:
         raise UserError(
             f"cluster {where.name!r} runs jobs in image {where.image}; an evaluation runs in synced mode (the node's "
@@ -207,11 +208,7 @@ def need_slurm(target: EvalTarget) -> None:
     """--queue: the evaluation becomes a job in the cluster's Slurm queue, so there must be one."""
     if target.cluster is None:
         raise UserError("--queue queues the evaluation as a Slurm job on a cluster: name it with --cluster NAME")
-    if target.cluster.slurm is None:
-        raise UserError(
-            f"--queue needs a Slurm cluster: cluster {target.cluster.name!r} has no Slurm (leave out --queue to "
-            "evaluate on its master)"
-        )
+    launchers.require(target.cluster, launchers.Feature.QUEUE, "--queue", "leave it out to evaluate on its master")
 
 
 @dataclasses.dataclass(frozen=True)

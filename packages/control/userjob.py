@@ -202,8 +202,8 @@ def program_plan(req: ProgramRequest) -> Any:
     # container mode on every launcher that has nodes (here.py refuses it); --time; an image where one is needed
     cluster = launchers.job_cluster(cluster, image=req.image, time=job.time)
     output = run_output(settings, cluster)
-    # A Slurm cluster's nodes are Slurm's to pick from its partition (which is checked there).
-    if job.nodes and cluster.slurm is None:
+    # A queue's nodes are its scheduler's to pick (Slurm's, from its partition, which is checked there).
+    if job.nodes and not launchers.has(cluster, launchers.Feature.QUEUE):
         if job.nodes > len(cluster.nodes):
             raise UserError(
                 f"--nodes {job.nodes} is more than cluster {cluster.name or 'this machine'}'s "

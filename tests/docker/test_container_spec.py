@@ -111,7 +111,7 @@ def test_image_needs_a_cluster(tmp_path: Path) -> None:
     r = cli(tmp_path, "train", "mnist", "--image", "reg.example/p/img:1", env=isolated_env(tmp_path))
     assert r.code == ExitCode.USAGE
     assert r.error_line() == (
-        "error: --image runs the job in containers on a cluster's nodes: add --cluster NAME (a hosts or gcp "
+        "error: --image needs containers, and this machine has none: add --cluster NAME (a hosts, gcp or Slurm "
         "cluster); on this machine use `docker compose --profile cpu up` or docker run (see compose.yaml)"
     )
 
