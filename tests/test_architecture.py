@@ -112,3 +112,35 @@ def test_the_events_docstring_lists_every_kind_emitted():
         emitted |= {k for node in ast.walk(tree) if (k := _emitted_kind(node))}
     assert emitted - listed == set(), "emitted, not in the docstring"
     assert listed - emitted == set(), "in the docstring, never emitted"
+
+
+# The Slurm launcher's own package (launchers/slurm.py hands it its work): it may read the cluster's Slurm.
+KIND_EXEMPT = ("packages/control/launchers/", "packages/control/backends/", "packages/control/slurm/")
+
+
+def test_nothing_outside_the_launchers_asks_which_kind_a_cluster_is():
+    """A command asks for a feature (launchers.has / require), never whether a cluster has Slurm
+    (`cluster.slurm is None`, `if c.slurm`), which launcher it has (`cluster.launcher == ...`) or whether its
+    nodes are over SSH (`over_ssh`), anywhere but launchers/, backends/ and the Slurm launcher's slurm/."""
+    kinds = {"slurm", "launcher"}
+    found = []
+    for path, tree in sources("cli", "packages"):
+        if path.startswith(KIND_EXEMPT):
+            continue
+        for node in ast.walk(tree):
+            tested: list[ast.AST] = []
+            if isinstance(node, ast.Compare):
+                tested = [node.left, *node.comparators]
+            elif isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Assert)):
+                tested = [node.test]
+            elif isinstance(node, ast.BoolOp):
+                tested = list(node.values)
+            elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+                tested = [node.operand]
+            if any(isinstance(t, ast.Attribute) and t.attr in kinds for t in tested):
+                found.append((path, node.lineno, ast.unparse(node)[:80]))
+            if (isinstance(node, ast.Attribute) and node.attr == "over_ssh") or (
+                isinstance(node, ast.Name) and node.id == "over_ssh"
+            ):
+                found.append((path, node.lineno, "over_ssh"))
+    assert not found, found

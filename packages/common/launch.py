@@ -5,7 +5,8 @@
 Arguments are exactly torchrun's. Plain torchrun exits 1 for any worker failure and prints a
 ChildFailedError traceback; this wrapper exits with the first failed worker's own code (2 for a
 usage error, 3 for preempted, 1 for a crash or a worker killed by a signal), and leaves the
-diagnosis to the worker's one-line message. dtrain's launchers run it on every node.
+diagnosis to the worker's one-line message. dtrain's launchers run it on every node, with the argv
+`torchrun_argv` builds (the one place dtrain writes torchrun's command line).
 """
 
 from __future__ import annotations
@@ -16,10 +17,36 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 
 from dtrain.common import env as envmod
 from dtrain.common.errors import ExitCode
 from dtrain.common.procs import dies_with_parent
+
+
+def torchrun_argv(
+    python: str,
+    tail: Sequence[str],
+    *,
+    nproc: int | str,
+    run_id: str,
+    max_restarts: int = 0,
+    nnodes: int | str = 1,
+    master: str = "",
+    is_host: bool = False,
+    join_timeout: int = 0,
+    local_addr: str = "",
+) -> list[str]:
+    """`python -m dtrain.common.launch` with torchrun's options, then `tail` (`-m MODULE ARGS` or `SCRIPT ARGS`):
+    a c10d rendezvous with the run id as its id. `master` ("host:port", the store on the first node) for a job
+    on several nodes: `is_host` on that node, `join_timeout` seconds for the others to join, and `local_addr`,
+    the address this node is known by there. Without it, one node on this machine, the store on a free port
+    (localhost:0). nproc and nnodes may be placeholders a Slurm node fills in (dtrain.common.slurmstep)."""
+    argv = [python, "-m", "dtrain.common.launch", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", master or "localhost:0", "--rdzv-id", run_id]  # fmt: skip
+    if master:
+        argv += ["--rdzv-conf", f"is_host={int(is_host)},join_timeout={join_timeout}", "--local-addr", local_addr]
+    return [*argv, "--max-restarts", str(max_restarts), *tail]
 
 
 def exit_code_of(worker_code: int) -> int:

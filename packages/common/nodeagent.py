@@ -418,10 +418,12 @@ def program_container(
     user's, not the image's). A run kept in a folder (`run_url` not gs://: a shared filesystem) has that
     folder's parent, the runs' folder, mounted at its own path too: the agent inside copies checkpoints there.
     `mounts`: more node paths the job's arguments name (path, "ro" | "rw"), each at its own path (one that is
-    mounted already is not mounted twice: docker refuses that)."""
+    mounted already is not mounted twice, and one of the image's folders, /data say, gives way to it: docker
+    refuses two mounts at one place)."""
     env = dict(inner.get("env", {}))
     own = run_folder_mount(run_url)
     taken = {m[0] for m in own}
+    named = {path for path, _ in mounts}  # a path the job names wins over an image folder mounted there
     inner = {**inner, "env": {}}
     env[INNER_SPEC_ENV] = json.dumps(inner)
     container = {
@@ -433,7 +435,7 @@ def program_container(
         "mounts": [
             [f"runs/{run_id}", "", "rw"],
             ["envs", "", "ro"],
-            *map(list, CONTAINER_MOUNTS),
+            *[list(m) for m in CONTAINER_MOUNTS if m[1] not in named],
             *own,
             *[[path, "", mode] for path, mode in mounts if path not in taken],
         ],

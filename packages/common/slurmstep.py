@@ -44,7 +44,7 @@ as one) runs through the same steps. The batch step also records its run (a prog
 first start, a built-in writing its own; status.json on every start and end) and, on a job directory the
 nodes share, puts its checkpoint directory back once before a resumed start; each node's step installs the
 project's requirements (dtrain.common.deps; a built-in has none), fills in its own part of the spec
-(program_spec: DTRAIN_RESTART_COUNT, by which a requeued job continues its run), and on SIGTERM or SIGINT
+(node_program_spec: DTRAIN_RESTART_COUNT, by which a requeued job continues its run), and on SIGTERM or SIGINT
 from Slurm creates the stop file and has the agent kill what is left of the program after the grace period.
 """
 
@@ -915,7 +915,7 @@ def node(jobfile: str, mode: str) -> int:
         spec = fill(job["specs"][key], values, job["argv_resume" if mode == "resume" else "argv_new"])
         if program:
             try:
-                spec = program_spec(job, spec, key=key, name=name, rank=rank, resume=mode == "resume", emit=emit)
+                spec = node_program_spec(job, spec, key=key, name=name, rank=rank, resume=mode == "resume", emit=emit)
             except UserError as e:  # its requirements did not install: one line naming the node, package and log
                 emit(f"error: {e}")
                 code = EXIT_USAGE
@@ -985,7 +985,7 @@ def forward_control(line: str, node: str) -> str | None:
     return ev.get("line") if ev.get("event") == HANG_EVENT else None
 
 
-def program_spec(
+def node_program_spec(
     job: dict[str, Any], spec: dict[str, Any], *, key: str, name: str, rank: int, resume: bool, emit: Any
 ) -> dict[str, Any]:
     """A user's program on this node: its requirements (dtrain.common.deps, once per node per content hash,

@@ -101,8 +101,9 @@ def resolve(req: RunRequest) -> EvalTarget:
     out = run_output(settings, where)  # a gcp cluster's runs are in its bucket
     run = locate(out, req.run)
     saved = records.run_config(run)
-    if not launchers.over_ssh(where):
+    if launchers.has(where, launchers.Feature.LOCAL):
         return EvalTarget(run, saved, None)
+    launchers.require(where, launchers.Feature.EVAL, "dtrain eval --cluster")
     if where.image:
         raise UserError(
             f"cluster {where.name!r} runs jobs in image {where.image}; an evaluation runs in synced mode (the node's "
@@ -207,11 +208,7 @@ def need_slurm(target: EvalTarget) -> None:
     """--queue: the evaluation becomes a job in the cluster's Slurm queue, so there must be one."""
     if target.cluster is None:
         raise UserError("--queue queues the evaluation as a Slurm job on a cluster: name it with --cluster NAME")
-    if target.cluster.slurm is None:
-        raise UserError(
-            f"--queue needs a Slurm cluster: cluster {target.cluster.name!r} has no Slurm (leave out --queue to "
-            "evaluate on its master)"
-        )
+    launchers.require(target.cluster, launchers.Feature.QUEUE, "--queue", "leave it out to evaluate on its master")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,7 +415,7 @@ def _run_on_master(
     """One process on the cluster's master through its node agent, the code synced there as for training
     (into <workdir>/runs/<label>/code). Not torchrun: one process needs no rendezvous, and the
     rendezvous port may be taken by a training job running there now."""
-    from dtrain.control.remote import NodeAgents, code_archive, job_spec, node_infos, sync_code
+    from dtrain.control.remote import NodeAgents, NodeWork, code_archive, node_infos, node_spec, sync_code
     from dtrain.control.ssh import SSH
 
     cluster = dataclasses.replace(target.cluster, nodes=(target.cluster.master,))
@@ -428,10 +425,8 @@ def _run_on_master(
         ssh.connect_all()
         sync_code(ssh, label, archive)
         info = node_infos(ssh, label)[master.name]
-        spec = job_spec(
-            cluster, master, module=MODULE, run_id=label, nproc=1, threads=max(1, info.cpus), max_restarts=0, argv=[]
-        )
-        spec["argv"] = [master.python, "-m", MODULE, *argv]
+        work = NodeWork(tail=[master.python, "-m", MODULE, *argv], torchrun=False)
+        spec = node_spec(cluster, master, work, run_id=label, nproc=1, threads=max(1, info.cpus))
         events.emit("stage", f"running on {master.describe()}")
 
         def relay(ev: Event) -> None:  # the job's lines go through `lines`, which keeps its error line

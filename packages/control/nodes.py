@@ -22,14 +22,11 @@ LOW_DISK_BYTES = 10 * 2**30  # checkpoints and a model's weights need room
 LOW_GPU_FREE_FRACTION = 0.9  # a GPU with less than 90% of its memory free is already in use
 
 
-def ssh_to(cluster: Cluster, accept_new: bool) -> Any:
-    """An SSH session to the cluster's nodes; a cluster that is this machine has none."""
+def ssh_to(cluster: Cluster, accept_new: bool, what: str = "") -> Any:
+    """An SSH session to the cluster's nodes; refused for a cluster whose nodes are not reached over SSH."""
     from dtrain.control.ssh import SSH
 
-    if not launchers.over_ssh(cluster):
-        raise UserError(
-            "this command runs on a cluster's nodes: pass --cluster NAME (a [clusters.NAME] in dtrain.toml)"
-        )
+    launchers.require(cluster, launchers.Feature.SSH, what)
     return SSH(cluster, accept_new_host_keys=accept_new)
 
 
@@ -67,10 +64,11 @@ GPU_COMMAND = (
 
 def gpus(cluster: Cluster, *, accept_new_host_keys: bool = False) -> dict[str, list[GpuRow] | str]:
     """Every node's GPUs as nvidia-smi reports them; a string says why a node has none to show."""
-    if not launchers.over_ssh(cluster):
+    launchers.require(cluster, launchers.Feature.GPU_QUERY, "dtrain gpus")
+    if launchers.has(cluster, launchers.Feature.LOCAL):
         p = subprocess.run(["sh", "-c", GPU_COMMAND], capture_output=True, text=True, check=False)
         return {cluster.master.name: _gpu_result(p.returncode, p.stdout, p.stderr)}
-    with ssh_to(cluster, accept_new_host_keys) as ssh:
+    with ssh_to(cluster, accept_new_host_keys, "dtrain gpus") as ssh:
         ssh.connect_all()
 
         def one(node: Node) -> list[GpuRow] | str:
@@ -99,7 +97,7 @@ def _gpu_result(code: int, out: str, err: str) -> list[GpuRow] | str:
 def exec_all(cluster: Cluster, command: list[str], *, accept_new_host_keys: bool = False) -> dict[str, Any]:
     """Run `command` on every node at once; node name -> CompletedProcess (bytes output)."""
     line = shlex.join(command)
-    with ssh_to(cluster, accept_new_host_keys) as ssh:
+    with ssh_to(cluster, accept_new_host_keys, "dtrain exec") as ssh:
         ssh.connect_all()
         return ssh.each(lambda n: ssh.run(n, line, timeout=3600, check=False))
 
@@ -111,7 +109,7 @@ def terminal_argv(
     """The ssh command line for the caller to run on its own terminal: `command` on `node` (checked to
     answer first, so a failure is one line), or None: an interactive login shell (default node: the
     master). The shared connection closes when the block ends."""
-    with ssh_to(cluster, accept_new_host_keys) as ssh:
+    with ssh_to(cluster, accept_new_host_keys, "dtrain ssh" if command is None else "dtrain exec") as ssh:
         target = cluster.node(node) if node else cluster.master
         if command is None:
             yield ssh.argv(target, tty=True, master=False)[:-1]  # no `--`: a login shell
@@ -140,11 +138,11 @@ def doctor(
     short all-reduce (nccl on GPU, gloo on CPU) with its bandwidth, disk and GPU memory free."""
     from dtrain.control import remote
 
-    ssh = ssh_to(cluster, accept_new_host_keys)
+    ssh = ssh_to(cluster, accept_new_host_keys, "dtrain doctor")
     checks: list[Check] = []
     run_id = f"doctor-{os.getpid()}"
     c = cluster
-    if c.slurm is not None and not c.slurm.managed:  # a user's Slurm: its login node, and Slurm as seen from it
+    if not launchers.has(c, launchers.Feature.NODE_CHECKS):  # a user's Slurm: its login node, and Slurm from it
         from dtrain.control.slurm.setup import doctor_checks
 
         with ssh:
@@ -175,7 +173,7 @@ def doctor(
             checks.append(Check("all", "all-reduce", False, "skipped: fix the checks above first"))
         with contextlib.suppress(Exception):
             ssh.each(lambda n: ssh.run(n, f"rm -rf {shlex.quote(remote.run_dir(n, run_id))}", check=False), reachable)
-        if c.slurm is not None:  # munge and Slurm on every node
+        if launchers.has(c, launchers.Feature.QUEUE):  # munge and Slurm on every node
             from dtrain.control.slurm.setup import doctor_checks
 
             checks += doctor_checks(ssh, c, reachable)
@@ -278,16 +276,12 @@ def _allreduce(
 
     gpus = infos[c.master.name].gpus
     nproc = gpus or 1
+    work = remote.NodeWork(tail=["-m", "dtrain.common.allreduce_check", "--mib", str(mib)])
+    if c.image:  # container mode: torchrun on the image's Python, as a built-in's job runs there
+        c = dataclasses.replace(c, nodes=tuple(dataclasses.replace(n, python="python3") for n in c.nodes))
     specs = {
-        n.name: remote.job_spec(
-            c,
-            n,
-            module="dtrain.common.allreduce_check",
-            run_id=run_id,
-            nproc=nproc,
-            threads=max(1, infos[n.name].cpus // nproc),
-            max_restarts=0,
-            argv=["--mib", str(mib)],
+        n.name: remote.node_spec(
+            c, n, work, run_id=run_id, nproc=nproc, threads=max(1, infos[n.name].cpus // nproc), gpus=infos[n.name].gpus
         )
         for n in c.nodes
     }

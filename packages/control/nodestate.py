@@ -50,7 +50,8 @@ def node_states(cluster: Cluster, ssh: Any = None) -> list[NodeState]:
     """Every node's state, master first. `ssh` is an open dtrain.control.ssh.SSH session to reuse
     (a service polling every few seconds keeps one); without it one is opened and closed here.
     A cluster that is this machine is read without SSH."""
-    if not launchers.over_ssh(cluster):
+    launchers.require(cluster, launchers.Feature.GPU_QUERY, "reading the nodes' states")
+    if launchers.has(cluster, launchers.Feature.LOCAL):
         node = cluster.master
         p = subprocess.run(["sh", "-c", HOST_COMMAND], capture_output=True, text=True, check=False, timeout=60)
         return [parse_state(node, p.returncode, p.stdout, p.stderr)]

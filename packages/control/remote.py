@@ -43,14 +43,15 @@ import subprocess
 import tarfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from dtrain.common import jobenv
 from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.launch import torchrun_argv
 from dtrain.common.metrics import PROGRESS_PREFIX
-from dtrain.common.nodeagent import CONTAINER_MOUNTS, CONTROL_PREFIX, INNER_SPEC_ENV, job_container_name
+from dtrain.common.nodeagent import CONTROL_PREFIX
 from dtrain.common.progress import StragglerSet
 from dtrain.common.storage import Store, is_remote
 from dtrain.control.cluster import Cluster, Node
@@ -72,8 +73,6 @@ FORWARD_ENV = ("STORAGE_EMULATOR_HOST", "HF_TOKEN", "HF_HUB_OFFLINE", "DTRAIN_OF
                *jobenv.TRACKER_ENV)  # fmt: skip
 DOCKER_CHECK_TIMEOUT_S = 60
 PULL_TIMEOUT_S = 1800  # a multi-GB CUDA image over a slow link
-# Container mode: what each node mounts, relative to its workdir (created by the agent), and where.
-# The job's working directory is its run directory, as in synced mode.
 # Workload arguments that may name paths on the nodes: mounted at the same path inside the container.
 PATH_ARGS = {"data_dir": "ro", "data": "ro", "model": "ro", "output": "rw"}
 
@@ -349,87 +348,83 @@ def check_port(ssh: SSH, run_id: str, server: Node, port: int, clients: Sequence
             pool.shutdown(wait=True)
 
 
-def job_spec(
-    cluster: Cluster,
-    node: Node,
-    *,
-    module: str,
-    run_id: str,
-    nproc: int,
-    threads: int,
-    max_restarts: int,
-    argv: list[str],
-    gpus: int = 0,
-    paths: dict[str, str] | None = None,
-    debug: bool = False,
-    hang_timeout: float | None = None,
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeWork:
+    """What node_spec starts on a node, as data: a user's program and a built-in (launchers.Plan, through
+    remote_program.program_spec), `dtrain eval`'s one process and doctor's all-reduce differ only in these."""
+
+    tail: Sequence[str]  # under torchrun: `-m MODULE ARGS` or `SCRIPT ARGS`; else the command's whole argv
+    torchrun: bool = True  # a command is started once per node, its process group signalled as one
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # the job's, over the cluster's
+    max_restarts: int = 0
+    grace_s: float = jobenv.STOP_GRACE_S
+    hang: Mapping[str, Any] = dataclasses.field(default_factory=lambda: hang_spec(None))
+    files: Mapping[str, Any] | None = None  # nodeagent.JobFiles: the checkpoint directory put back and copied
+    cwd: str = "."  # relative to the node's run directory
+    mounts: Sequence[tuple[str, str]] = ()  # container mode: node paths the arguments name, path -> ro | rw
+    run_url: str = ""
+    debug: bool = False
+
+
+def node_spec(
+    cluster: Cluster, node: Node, work: NodeWork, *, run_id: str, nproc: int, threads: int, gpus: int = 0
 ) -> dict[str, Any]:
-    """What `nodeagent run` starts on `node`: torchrun for `module`, and the job's environment. With
-    cluster.image, torchrun runs in that image (`gpus`: the node's, for --gpus all; `paths`: node paths the
-    workload's arguments name, mounted at the same place, path -> "ro" | "rw")."""
+    """The one builder of what `nodeagent run` starts on `node` (paths relative to the node's run directory):
+    torchrun (common.launch.torchrun_argv, the rendezvous on the master) or a command, with the job's
+    environment. With cluster.image, a container in which an agent runs this spec itself
+    (nodeagent.program_container; `gpus`: the node's, for --gpus all); node.python is then the image's."""
     master = cluster.master
     env = {
-        "OMP_NUM_THREADS": str(threads),
         "PYTHONUNBUFFERED": "1",
-        "DTRAIN_INTERNAL_TTY": "0",  # output goes through SSH: plain lines; the bar is drawn here
+        "OMP_NUM_THREADS": str(threads),
+        # dtrain's own workloads (dtrain.common.workload) print plain lines, and their progress as lines the
+        # launcher draws its bar from (NodeAgents); a user's program does not read these.
+        "DTRAIN_INTERNAL_TTY": "0",
         "DTRAIN_INTERNAL_PROGRESS": "1",
+        **{k: os.environ[k] for k in FORWARD_ENV if os.environ.get(k)},
+        **cluster.env,
+        **work.env,
     }
+    # Without an `interface`, the agent finds the one that holds the node's address (nodeagent.socket_interface).
     if node.interface:
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = node.interface
-    if debug:
+    if work.debug:
         env["DTRAIN_DEBUG"] = "1"
-    else:
-        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # c10d's warnings (reverse DNS of peers, ...) are noise here
-    env.update({k: os.environ[k] for k in FORWARD_ENV if os.environ.get(k)})
-    env.update(cluster.env)
-    torchrun = [
-        "--nnodes", str(len(cluster.nodes)),
-        "--nproc-per-node", str(nproc),
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"{master.address}:{cluster.rdzv_port}",
-        "--rdzv-id", run_id,
-        "--rdzv-conf", f"is_host={int(node.name == master.name)},join_timeout={cluster.rdzv_timeout}",
-        "--local-addr", node.address,
-        "--max-restarts", str(max_restarts),
-        "-m", module,
-        *argv,
-    ]  # fmt: skip
-    # Without an `interface`, the agent finds the one that holds the node's address (nodeagent.socket_interface).
-    common = {"env": env, "grace_s": jobenv.STOP_GRACE_S, "ifname_for": node.address, "hang": hang_spec(hang_timeout)}
-    if not cluster.image:
-        return {"argv": [node.python, "-m", "dtrain.common.launch", *torchrun], **common}
-    named = dict(paths or {})
-    builtin = [[f"runs/{run_id}", f"/runs/{run_id}", "rw"], *map(list, CONTAINER_MOUNTS)]
-    # A path the user named wins over a built-in mount at the same place (docker refuses duplicates).
-    mounts = [m for m in builtin if m[1] not in named] + [[p, p, mode] for p, mode in sorted(named.items())]
-    # An agent inside the container runs torchrun, as it does a user's program there (nodeagent.program_container):
-    # it sees the ranks' processes and heartbeats, so a hang is found and its stacks dumped in the image too. Its
-    # spec travels by name, like the job's environment.
-    inner = {"argv": ["python3", "-m", "dtrain.common.launch", *torchrun], "env": {}, "grace_s": jobenv.STOP_GRACE_S,
-             "hang": common["hang"]}  # fmt: skip
-    container = {
-        "image": cluster.image,
-        "name": container_name(run_id, node),
-        "docker": shlex.split(node.docker),
-        "workdir": "../..",  # the agent runs in <workdir>/runs/<run id>
-        "cwd": f"/runs/{run_id}",
-        "mounts": mounts,
-        "gpus": gpus > 0,
-        "args": ["python3", "-m", "dtrain.common.nodeagent", "run", "--spec-env", INNER_SPEC_ENV],
+    else:  # c10d's warnings (reverse DNS of peers, ...) are noise here
+        env["TORCH_CPP_LOG_LEVEL"] = env.get("TORCH_CPP_LOG_LEVEL", "ERROR")
+    argv = list(work.tail)
+    if work.torchrun:
+        argv = torchrun_argv(
+            node.python, argv, nproc=nproc, run_id=run_id, max_restarts=work.max_restarts, nnodes=len(cluster.nodes),
+            master=f"{master.address}:{cluster.rdzv_port}", is_host=node.name == master.name,
+            join_timeout=cluster.rdzv_timeout, local_addr=node.address,
+        )  # fmt: skip
+    spec = {
+        "argv": argv,
+        "env": env,
+        "cwd": work.cwd,
+        "grace_s": work.grace_s,
+        "ifname_for": node.address,
+        "signal_group": not work.torchrun,
+        # The job's Python first on PATH: `python`, and the tools its virtualenv installed (accelerate, deepspeed).
+        "path_prepend": str(Path(node.python).parent) if "/" in node.python else "",
+        "hang": dict(work.hang),
     }
-    common["env"] = {**env, INNER_SPEC_ENV: json.dumps(inner)}
-    return {"argv": None, **common, "container": container}
+    if work.files is not None:
+        spec["files"] = dict(work.files)
+    if not cluster.image:
+        return spec
+    from dtrain.common.nodeagent import program_container
+
+    return program_container(spec, image=cluster.image, run_id=run_id, node=node.name,
+                             docker=shlex.split(node.docker), gpus=gpus > 0, run_url=work.run_url,
+                             mounts=work.mounts)  # fmt: skip
 
 
 def hang_spec(timeout: float | None, startup: float | None = None) -> dict[str, Any]:
     """The agent's hang detection (dtrain.common.progress): its timeout (None: from the step time, 0: off), and
     the start-up bound (None: progress.STARTUP_TIMEOUT_S, 0: none of its own)."""
     return {"timeout_s": timeout} if startup is None else {"timeout_s": timeout, "startup_s": startup}
-
-
-def container_name(run_id: str, node: Node) -> str:
-    """dtrain-<run>-<node>: what the agent (and a person) stops the job's container by."""
-    return job_container_name(run_id, node.name)
 
 
 def node_paths(args: dict[str, Any], run_url: str) -> dict[str, str]:

@@ -23,13 +23,11 @@ import concurrent.futures
 import contextlib
 import hashlib
 import json
-import os
 import shlex
 import socket
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +39,18 @@ from dtrain.control.cluster import Cluster, Node
 from dtrain.control.events import Events, Handle
 from dtrain.control.local import processes
 from dtrain.control.remote import (
-    FORWARD_ENV,
     JOB_ENDED,
     LogFiles,
     NodeError,
     NodeInfo,
+    NodeWork,
     check_docker,
     check_port,
     checked_infos,
     code_archive,
     hang_spec,
     node_infos,
+    node_spec,
     pull_image,
     run_dir,
     sync_code,
@@ -352,60 +351,16 @@ def program_spec(
     restore: bool,
     gpus: int = 0,
 ) -> dict[str, Any]:
-    """What `nodeagent run` starts on `node` for a user's program (paths relative to the node's run directory).
-    With cluster.image, that is a container (container_spec) in which the agent runs this spec itself."""
+    """What `nodeagent run` starts on `node` for a launchers.Plan's program (remote.node_spec, with the
+    program's part as data): dtrain's variables, its checkpoint directory put back and copied, its metrics."""
     job = req.job
-    master = cluster.master
-    torchrun = job.program.under_torchrun
     ckpt = f"work/{job.checkpoint_dir}" if job.checkpoint_dir else "checkpoints"
     work = "work" if job.workdir is not None else "."  # a built-in has no working directory: the run's own
-    env = {
-        "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": str(threads),
-        # dtrain's own workloads (dtrain.common.workload) print plain lines, and their progress as lines the
-        # launcher draws its bar from (remote.Job); a user's program does not read these.
-        "DTRAIN_INTERNAL_TTY": "0",
-        "DTRAIN_INTERNAL_PROGRESS": "1",
-        **{k: os.environ[k] for k in FORWARD_ENV if os.environ.get(k)},
-        **cluster.env,
-        **job.env,
-        **contract_env(
-            t,
-            checkpoint_dir=ckpt,
-            metrics_file="metrics.jsonl",
-            stop_file="STOP",
-            code_dir=work,
-            node_rank=rank,
-            nnodes=len(cluster.nodes),
-            nproc=nproc,
-            master_addr=master.address,
-            master_port=cluster.rdzv_port,
-            command=not torchrun,
-        ),  # fmt: skip
-    }
-    if node.interface:
-        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = node.interface
-    if req.debug:
-        env["DTRAIN_DEBUG"] = "1"
-    else:
-        env["TORCH_CPP_LOG_LEVEL"] = env.get("TORCH_CPP_LOG_LEVEL", "ERROR")
-    if torchrun:
-        argv = [
-            node.python, "-m", "dtrain.common.launch",
-            "--nnodes", str(len(cluster.nodes)),
-            "--nproc-per-node", str(nproc),
-            "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"{master.address}:{cluster.rdzv_port}",
-            "--rdzv-id", t.run_id,
-            "--rdzv-conf", f"is_host={int(node.name == master.name)},join_timeout={cluster.rdzv_timeout}",
-            "--local-addr", node.address,
-            "--max-restarts", "0",
-            *job.program.torchrun_tail(),
-        ]  # fmt: skip
-    else:
-        argv = job.program.command_argv()
-    # The job's Python first on PATH: `python`, and the tools its virtualenv installed (accelerate, deepspeed).
-    path_prepend = str(Path(node.python).parent) if "/" in node.python else ""
+    contract = contract_env(
+        t, checkpoint_dir=ckpt, metrics_file="metrics.jsonl", stop_file="STOP", code_dir=work, node_rank=rank,
+        nnodes=len(cluster.nodes), nproc=nproc, master_addr=cluster.master.address, master_port=cluster.rdzv_port,
+        command=not job.program.under_torchrun,
+    )  # fmt: skip
     files = {
         "checkpoint_dir": ckpt,
         "stop_file": "STOP",
@@ -419,38 +374,20 @@ def program_spec(
         },
         "forward": [{"local": "metrics.jsonl", "store": t.run.url, "rel": "metrics.jsonl"}] if rank == 0 else [],
     }
-    spec = {
-        "argv": argv,
-        "env": env,
-        "cwd": work,
-        "grace_s": req.grace_s,
-        "ifname_for": node.address,
-        "files": files,
-        "signal_group": not torchrun,
-        "path_prepend": path_prepend,
-        "hang": hang_spec(getattr(req, "hang_timeout", None), getattr(req, "startup_timeout", None)),
-    }
-    if not cluster.image:
-        return spec
-    mounts = getattr(req, "mounts", ())
-    return container_spec(spec, cluster.image, t.run_id, node, gpus, t.run.url, mounts=mounts)
-
-
-def container_spec(
-    inner: dict[str, Any],
-    image: str,
-    run_id: str,
-    node: Node,
-    gpus: int,
-    run_url: str = "",
-    *,
-    mounts: Sequence[tuple[str, str]] = (),
-) -> dict[str, Any]:
-    """Container mode for a user's program on `node`: dtrain.common.nodeagent.program_container."""
-    from dtrain.common.nodeagent import program_container
-
-    return program_container(inner, image=image, run_id=run_id, node=node.name, docker=shlex.split(node.docker),
-                             gpus=gpus > 0, run_url=run_url, mounts=mounts)  # fmt: skip
+    torchrun = job.program.under_torchrun
+    spec = NodeWork(
+        tail=job.program.torchrun_tail() if torchrun else job.program.command_argv(),
+        torchrun=torchrun,
+        env={**job.env, **contract},
+        grace_s=req.grace_s,
+        hang=hang_spec(getattr(req, "hang_timeout", None), getattr(req, "startup_timeout", None)),
+        files=files,
+        cwd=work,
+        mounts=getattr(req, "mounts", ()),
+        run_url=t.run.url,
+        debug=req.debug,
+    )
+    return node_spec(cluster, node, spec, run_id=t.run_id, nproc=nproc, threads=threads, gpus=gpus)
 
 
 __all__ = ["launch_program_cluster", "program_spec", "project_key"]

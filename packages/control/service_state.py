@@ -15,7 +15,9 @@ STATE_FILE = "service/state.json"  # under the master's (Slurm login node's) wor
 def service_state(cluster: Cluster, *, accept_new_host_keys: bool = False) -> dict[str, Any] | None:
     """The service's state (dtrain.service.logic.State as a dict, with its `lines` to show), or None when
     the cluster has no service (no Slurm, or nothing written yet). Best effort: None on any failure."""
-    if cluster.slurm is None:
+    from dtrain.control import launchers
+
+    if not launchers.has(cluster, launchers.Feature.QUEUE):  # the service keeps its state beside the queue's
         return None
     from dtrain.control.slurm.session import Session
 

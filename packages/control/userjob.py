@@ -30,6 +30,7 @@ from typing import Any
 from dtrain.common import jobenv, runrecord
 from dtrain.common.errors import ExitCode, UserError, stop_outcome
 from dtrain.common.jobenv import STOP_GRACE_S as SHUTDOWN_GRACE_S  # SIGTERM, then this long before SIGKILL
+from dtrain.common.launch import torchrun_argv
 from dtrain.common.procs import dies_with_parent
 from dtrain.common.rundir import CHECKPOINTS, CKPT_PREFIX, read_json, run_disk_full, write_json
 from dtrain.common.storage import DiskFull, Store, is_remote
@@ -201,8 +202,8 @@ def program_plan(req: ProgramRequest) -> Any:
     # container mode on every launcher that has nodes (here.py refuses it); --time; an image where one is needed
     cluster = launchers.job_cluster(cluster, image=req.image, time=job.time)
     output = run_output(settings, cluster)
-    # A Slurm cluster's nodes are Slurm's to pick from its partition (which is checked there).
-    if job.nodes and cluster.slurm is None:
+    # A queue's nodes are its scheduler's to pick (Slurm's, from its partition, which is checked there).
+    if job.nodes and not launchers.has(cluster, launchers.Feature.QUEUE):
         if job.nodes > len(cluster.nodes):
             raise UserError(
                 f"--nodes {job.nodes} is more than cluster {cluster.name or 'this machine'}'s "
@@ -315,11 +316,8 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
         env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS") or str(max(1, cpus // n))
         if max_restarts:
             env.update(RESTARTABLE_ENV)
-        argv = [
-            env_result.python, "-m", "dtrain.common.launch", "--nnodes", "1", "--nproc-per-node", str(n),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", t.run_id,
-            "--max-restarts", str(max_restarts), *job.program.torchrun_tail(),
-        ]  # fmt: skip
+        argv = torchrun_argv(env_result.python, job.program.torchrun_tail(), nproc=n, run_id=t.run_id,
+                             max_restarts=max_restarts)  # fmt: skip
     else:
         argv = job.program.command_argv()
         # The job's Python first on PATH, as on a cluster's nodes: `python` is the one with torch (and the

@@ -51,7 +51,7 @@ class Dashboard:
         with self._lock:
             if self._nodes is not None and time.monotonic() - self._nodes[0] < NODE_STATES_TTL_S:
                 return self._nodes[1]
-            if self.ssh is None and launchers.over_ssh(self.cluster):
+            if self.ssh is None and launchers.has(self.cluster, launchers.Feature.SSH):
                 from dtrain.control.nodes import ssh_to
 
                 self.ssh = ssh_to(self.cluster, False)

@@ -13,7 +13,7 @@ from fastapi.responses import HTMLResponse, Response
 from fastapi.templating import Jinja2Templates
 
 from dtrain.common.errors import UserError
-from dtrain.control import runs
+from dtrain.control import launchers, runs
 from dtrain.dashboard import table
 from dtrain.dashboard.app import HERE, Dashboard
 
@@ -123,7 +123,8 @@ def compare_page(request: Request, run: Annotated[list[str] | None, Query()] = N
 def cluster_page(request: Request) -> HTMLResponse:
     dash = _dash(request)
     jobs, queue_error = [], ""
-    if dash.cluster.slurm is not None:
+    queue = launchers.has(dash.cluster, launchers.Feature.QUEUE)
+    if queue:
         from dtrain.control.slurm.joblist import list_jobs
 
         try:
@@ -136,7 +137,7 @@ def cluster_page(request: Request) -> HTMLResponse:
         cluster=dash.cluster,
         named=dash.cluster_named,
         nodes=dash.node_states(),
-        slurm=dash.cluster.slurm is not None,
+        slurm=queue,
         jobs=jobs,
         queue_error=queue_error,
     )

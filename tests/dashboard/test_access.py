@@ -65,7 +65,7 @@ def test_a_non_local_bind_refuses_requests_without_the_token(dashboard, finished
         assert c.post("/api/v1/evals", json={"run": "no-such-run"}, headers=bearer).status_code == 404
         for method, path, body in writes[1:]:
             answer = c.request(method, path, json=body, headers=bearer)
-            assert answer.status_code == 400 and "has no Slurm" in answer.json()["detail"], answer.text
+            assert answer.status_code == 400 and "lacks a job queue" in answer.json()["detail"], answer.text
 
     assert server.stop() == 0
     logged = server.output

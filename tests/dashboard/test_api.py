@@ -202,10 +202,10 @@ def test_an_eval_started_over_the_api_gives_the_runs_own_accuracy(api: Api) -> N
 
 
 def test_jobs_on_a_cluster_without_slurm_are_one_line_400s(api: Api) -> None:
-    """This machine has no Slurm: each job endpoint says so (tests/slurm/test_dashboard_jobs.py drives them
+    """This machine has no job queue: each job endpoint says so (tests/slurm/test_dashboard_jobs.py drives them
     on a real Slurm)."""
     c = api.client
-    no_slurm = "cluster 'local' has no Slurm: jobs queue on Slurm clusters"
+    no_slurm = "this machine lacks a job queue: jobs queue on Slurm clusters"
     for answer, detail in [
         (c.get("/api/v1/jobs"), no_slurm),
         (c.post("/api/v1/jobs", json={"workload": "mnist", "settings": {"mnist.epochs": 1}}), no_slurm),

@@ -11,10 +11,10 @@ import pytest
 from runs import cli, isolated_env
 
 from dtrain.common.errors import ExitCode, UserError
-from dtrain.common.nodeagent import INNER_SPEC_ENV, container_argv
+from dtrain.common.nodeagent import INNER_SPEC_ENV, container_argv, job_container_name
 from dtrain.control.backends.hosts import hosts_cluster
 from dtrain.control.cluster import Cluster, Node
-from dtrain.control.remote import container_name, job_spec, node_paths
+from dtrain.control.remote import NodeWork, node_paths, node_spec
 
 
 def cluster(image: str = "reg.example/p/dtrain-train:src-0123456789ab") -> Cluster:
@@ -27,11 +27,13 @@ def cluster(image: str = "reg.example/p/dtrain-train:src-0123456789ab") -> Clust
 
 def spec(node: int, *, gpus: int = 0, paths: dict[str, str] | None = None, **kw) -> dict:
     c = cluster(**kw)
-    return job_spec(c, c.nodes[node], module="dtrain.mnist.train", run_id="mnist-20260101-000000-abcd", nproc=2,
-                    threads=4, max_restarts=0, argv=["--epochs", "1"], gpus=gpus, paths=paths)  # fmt: skip
+    work = NodeWork(tail=["-m", "dtrain.mnist.train", "--epochs", "1"], mounts=tuple(sorted((paths or {}).items())))
+    return node_spec(c, c.nodes[node], work, run_id="mnist-20260101-000000-abcd", nproc=2, threads=4, gpus=gpus)
 
 
-def test_job_spec_in_container_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_node_spec_in_container_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Doctor's all-reduce (a module under torchrun, no checkpoint files) in an image: the same container as a
+    program's (nodeagent.program_container), its torchrun in the agent inside."""
     monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
     s = spec(0, paths={"/data/fmnist": "ro"})
     c = s["container"]
@@ -40,21 +42,31 @@ def test_job_spec_in_container_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert c["name"] == "dtrain-mnist-20260101-000000-abcd-n0" and c["docker"] == ["sudo", "docker"]
     # An agent inside the container runs torchrun (dtrain.common.launch) and watches its ranks for hangs; its
     # spec comes by name, like the job's environment, and holds no value of that environment.
-    assert c["args"] == ["python3", "-m", "dtrain.common.nodeagent", "run", "--spec-env", INNER_SPEC_ENV]
+    assert c["args"] == ["-m", "dtrain.common.nodeagent", "run", "--spec-env", INNER_SPEC_ENV]
     inner = json.loads(s["env"][INNER_SPEC_ENV])
     torchrun = inner["argv"][3:]
     assert inner["argv"][:3] == ["python3", "-m", "dtrain.common.launch"] and inner["env"] == {}
     assert inner["hang"] == {"timeout_s": None} and "hf_secret_value" not in s["env"][INNER_SPEC_ENV]
+    assert "files" not in inner and inner["signal_group"] is False
     assert torchrun[:2] == ["--nnodes", "2"] and torchrun[-4:] == ["-m", "dtrain.mnist.train", "--epochs", "1"]
     assert "--local-addr" in torchrun and "10.0.0.10" in torchrun and "is_host=1,join_timeout=120" in torchrun
-    assert c["cwd"] == "/runs/mnist-20260101-000000-abcd"
-    assert ["runs/mnist-20260101-000000-abcd", "/runs/mnist-20260101-000000-abcd", "rw"] in c["mounts"]
-    assert ["/data/fmnist", "/data/fmnist", "ro"] in c["mounts"] and ["hf-cache", "/hf-cache", "rw"] in c["mounts"]
+    assert c["cwd"] == "runs/mnist-20260101-000000-abcd"
+    assert ["runs/mnist-20260101-000000-abcd", "", "rw"] in c["mounts"]
+    assert ["/data/fmnist", "", "ro"] in c["mounts"] and ["hf-cache", "/hf-cache", "rw"] in c["mounts"]
     assert c["gpus"] is False and spec(1, gpus=2)["container"]["gpus"] is True
-    # Synced mode is unchanged: the node's python runs torchrun from the synced code.
+    # Synced mode: the node's python runs the same torchrun from the synced code.
     synced = spec(0, image="")
     assert "container" not in synced and synced["argv"][:3] == ["python3", "-m", "dtrain.common.launch"]
-    assert synced["argv"][3:] == torchrun
+    assert synced["argv"][3:] == torchrun and synced["env"]["GLOO_SOCKET_IFNAME"] == "eth1"
+    assert synced["env"]["NCCL_DEBUG"] == "WARN" and synced["env"]["OMP_NUM_THREADS"] == "4"
+
+
+def test_a_command_is_its_argv_and_its_group_is_signalled() -> None:
+    """`dtrain eval`'s one process on the master: no torchrun, its process group stopped as one."""
+    c = cluster(image="")
+    s = node_spec(c, c.nodes[0], NodeWork(tail=["py", "-m", "x", "--a"], torchrun=False), run_id="r", nproc=1,
+                  threads=2)  # fmt: skip
+    assert s["argv"] == ["py", "-m", "x", "--a"] and s["signal_group"] is True and s["cwd"] == "."
 
 
 def test_docker_run_line_carries_secrets_by_name_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -67,21 +79,23 @@ def test_docker_run_line_carries_secrets_by_name_only(tmp_path: Path, monkeypatc
                         "--network", "host", "--ipc"]  # fmt: skip
     assert "--gpus all" in line and "--user 1001:1002" in line
     assert "-e HF_TOKEN" in line and "-e NCCL_DEBUG" in line and "-e OMP_NUM_THREADS" in line
-    assert f"-v {tmp_path}/runs/mnist-20260101-000000-abcd:/runs/mnist-20260101-000000-abcd:rw" in line
+    assert f"-v {tmp_path}/runs/mnist-20260101-000000-abcd:{tmp_path}/runs/mnist-20260101-000000-abcd:rw" in line
     assert f"-v {tmp_path}/cache:/cache:rw" in line and "-v /srv/data:/srv/data:ro" in line
     assert argv[argv.index("reg.example/p/dtrain-train:src-0123456789ab") + 1 :] == s["container"]["args"]
-    # As root on the node, the image's own non-root user runs (no --user).
-    assert "--user" not in container_argv(s["container"], [], tmp_path, 0, 0)
+    # As root on the node too, the job runs as the node's user; a container spec without "user": "host" runs
+    # as the image's own (non-root) user there (no --user).
+    assert "--user 0:0" in " ".join(container_argv(s["container"], [], tmp_path, 0, 0))
+    assert "--user" not in container_argv({**s["container"], "user": ""}, [], tmp_path, 0, 0)
 
 
 def test_named_paths_replace_builtin_mounts() -> None:
     c = spec(0, paths={"/data": "ro"})["container"]
-    assert [m for m in c["mounts"] if m[1] == "/data"] == [["/data", "/data", "ro"]]
+    assert [m for m in c["mounts"] if (m[1] or m[0]) == "/data"] == [["/data", "", "ro"]]
     assert node_paths({"data_dir": "/d", "output": "gs://b/runs", "model": "tiny-llama"}, "gs://b/runs/x") == {
         "/d": "ro"
     }
     assert node_paths({"output": "/nfs/runs"}, "/nfs/runs/x") == {"/nfs/runs": "rw"}
-    assert container_name("run:1", Node(name="n/0", address="1.2.3.4")) == "dtrain-run-1-n-0"
+    assert job_container_name("run:1", "n/0") == "dtrain-run-1-n-0"
 
 
 def test_inventory_image_and_docker_keys(tmp_path: Path) -> None:
@@ -97,7 +111,7 @@ def test_image_needs_a_cluster(tmp_path: Path) -> None:
     r = cli(tmp_path, "train", "mnist", "--image", "reg.example/p/img:1", env=isolated_env(tmp_path))
     assert r.code == ExitCode.USAGE
     assert r.error_line() == (
-        "error: --image runs the job in containers on a cluster's nodes: add --cluster NAME (a hosts or gcp "
+        "error: --image needs containers, and this machine has none: add --cluster NAME (a hosts, gcp or Slurm "
         "cluster); on this machine use `docker compose --profile cpu up` or docker run (see compose.yaml)"
     )
 

@@ -37,8 +37,7 @@ def test_queue_needs_a_cluster_with_slurm(bed: Env, tmp_path: Path) -> None:
     r = bed.dtrain("--config", str(config), "eval", str(run), "--cluster", "plain", "--queue")
     assert r.returncode == ExitCode.USAGE, r.stdout + r.stderr
     assert error_line(r) == (
-        "error: --queue needs a Slurm cluster: cluster 'plain' has no Slurm (leave out --queue to evaluate on "
-        "its master)"
+        "error: --queue needs a job queue, and cluster 'plain' has none: leave it out to evaluate on its master"
     )
     assert r.stdout == ""
     assert not (run / "eval").exists()

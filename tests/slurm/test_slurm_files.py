@@ -152,7 +152,7 @@ def test_a_node_fills_in_the_allocation(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.chdir(tmp_path)  # the job's directory on the node: no work/ and nothing to install
     monkeypatch.setenv(slurmstep.RESTARTS_ENV, "1")
     lines: list[str] = []
-    node = slurmstep.program_spec(job, spec, key="n1", name="n1", rank=1, resume=True, emit=lines.append)
+    node = slurmstep.node_program_spec(job, spec, key="n1", name="n1", rank=1, resume=True, emit=lines.append)
     assert lines == [] and not (tmp_path / "work").exists()
     assert node["argv"][0] == ("python3" if image else "/opt/py/bin/python")
     assert node["cwd"] == "." and node["files"]["checkpoint_dir"] == "checkpoints"
@@ -386,7 +386,7 @@ def test_a_users_program_as_a_slurm_job(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv(slurmstep.RESTARTS_ENV, "2")
     lines: list[str] = []
     for rank in (1, 0):
-        node = slurmstep.program_spec(f.job, json.loads(json.dumps(spec)), key=key, name="n1", rank=rank,
+        node = slurmstep.node_program_spec(f.job, json.loads(json.dumps(spec)), key=key, name="n1", rank=rank,
                                       resume=True, emit=lines.append)  # fmt: skip
         assert node["argv"][0] == "/opt/py/bin/python" and node["env"]["DTRAIN_RESTART_COUNT"] == "3"
         assert node["files"]["checkpoint_dir"] == "work/ckpts"
@@ -431,7 +431,7 @@ def test_a_users_program_in_an_image_as_a_slurm_job(tmp_path: Path, monkeypatch:
     spec = slurmstep.fill(f.job["specs"]["n1"], values, [])
     (tmp_path / "node" / "work").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "node")
-    node = slurmstep.program_spec(f.job, spec, key="n1", name="n1", rank=1, resume=True, emit=lambda _: None)
+    node = slurmstep.node_program_spec(f.job, spec, key="n1", name="n1", rank=1, resume=True, emit=lambda _: None)
     assert node["argv"][0] == "python3"  # the image's own: nothing to install
     assert slurmstep._docker(f.job, "n1") == ["sudo", "docker"]
     boxed = program_container(node, image=image, run_id=t.run_id, node="n1", docker=["sudo", "docker"], gpus=True)

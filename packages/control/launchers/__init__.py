@@ -16,6 +16,10 @@ five steps every way of starting a job has:
 `Cluster.launcher` names one (backends choose it); nothing else compares that name. A new way of starting
 jobs (Kubernetes, say) is one new module here with `LAUNCHER`, and one line in REGISTRY.
 
+What each can do is declared (`features(cluster)`, model: SkyPilot's CloudImplementationFeatures), never
+guessed from its name or its cluster's Slurm: a command asks `has(cluster, Feature.X)`, and `require` refuses
+one that needs a feature its cluster lacks, in one line that names both.
+
 The built-in examples (dtrain mnist, lora) are Plans like any user's program: a module run under torchrun
 (their `Builtin.module`) with their own flags, its run placed as a program's (`Plan.target`); nothing here
 names them. They run exactly as a user's script does on every launcher (userjob.run_program_here,
@@ -26,6 +30,7 @@ $DTRAIN_CHECKPOINT_DIR, copied to the run's ckpt/ where that is not the run's ow
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 from typing import TYPE_CHECKING, Protocol
 
@@ -62,9 +67,41 @@ class Plan:
     mounts: tuple[tuple[str, str], ...] = ()
 
 
+class Feature(enum.Enum):
+    """What a launcher can do for a cluster; the value is how a refusal names it."""
+
+    LOCAL = "this machine's own processes"  # it runs here: gpus, node states and eval run without SSH
+    SSH = "nodes reached over SSH"  # doctor, exec, ssh, and the node queries that are not LOCAL
+    NODE_CHECKS = "checks of every node"  # doctor's per-node checks (a user's Slurm: only its login node)
+    GPU_QUERY = "a query of its nodes' GPUs"  # dtrain gpus, the nodes' states (status, dashboard)
+    EVAL = "evaluation on its nodes"  # dtrain eval --cluster
+    QUEUE = "a job queue"  # submit, jobs, cancel, logs JOB, eval --queue; its scheduler picks the nodes
+    TIME_LIMIT = "a job time limit"  # --time
+    CONTAINERS = "containers"  # --image, a cluster's image
+
+
+# What to do instead, after a refusal (require's `hint` replaces it where a command knows better).
+HINTS = {
+    Feature.LOCAL: "run it on this machine (leave out --cluster)",
+    Feature.SSH: "pass --cluster NAME (a [clusters.NAME] in dtrain.toml)",
+    Feature.NODE_CHECKS: "check its nodes with its own tools",
+    Feature.GPU_QUERY: "run nvidia-smi on its nodes yourself",
+    Feature.EVAL: "evaluate on this machine (leave out --cluster)",
+    Feature.QUEUE: 'jobs queue on Slurm clusters (backend = "slurm", a hosts cluster with slurm = true, or gcp); '
+    "on this one use `dtrain train`",
+    Feature.TIME_LIMIT: "leave it out, or run on a Slurm cluster (--cluster NAME)",
+    Feature.CONTAINERS: "add --cluster NAME (a hosts, gcp or Slurm cluster); on this machine use "
+    "`docker compose --profile cpu up` or docker run (see compose.yaml)",
+}
+
+
 class Launcher(Protocol):
     name: str  # the Cluster.launcher value it serves
-    over_ssh: bool  # its nodes are reached over SSH (doctor, gpus, exec and the dashboard's node view ask)
+    place: str  # how a message names a cluster it runs: "cluster {name!r}", "this machine"
+
+    def features(self, cluster: Cluster) -> frozenset[Feature]:
+        """What it can do for `cluster` (require() refuses the rest)."""
+        ...
 
     def launch(self, plan: Plan, *, events: Events, handle: Handle) -> LaunchResult:
         """prepare, sync, execute (stop through `handle`), collect; the run and the job's exit code (ExitCode)."""
@@ -84,27 +121,33 @@ def get(name: str) -> Launcher:
     return importlib.import_module(REGISTRY[name]).LAUNCHER
 
 
+def has(cluster: Cluster, feature: Feature) -> bool:
+    return feature in get(cluster.launcher).features(cluster)
+
+
+def require(cluster: Cluster, feature: Feature, what: str = "", hint: str = "") -> None:
+    """Refuse, in one line naming the cluster and the feature (and `what` needs it: a command, a flag), work on
+    a cluster whose launcher does not declare `feature`."""
+    if not has(cluster, feature):
+        where = get(cluster.launcher).place.format(name=cluster.name)
+        lack = f"{what} needs {feature.value}, and {where} has none" if what else f"{where} lacks {feature.value}"
+        raise UserError(f"{lack}: {hint or HINTS[feature]}")
+
+
 def job_cluster(cluster: Cluster, *, image: str = "", time: str = "") -> Cluster:
     """The cluster as one job sees it, for a built-in and a user's program alike: `image` (--image) becomes
-    its image (container mode); refused in one line are a --time where there is no Slurm and a cluster that
-    runs jobs only in an image and has none."""
-    import dataclasses
-
+    its image (container mode); refused in one line are an --image where there are no containers, a --time
+    where there is no time limit, and a cluster that runs jobs only in an image and has none."""
     if image:
         from dtrain.control.cluster import check_image
 
+        require(cluster, Feature.CONTAINERS, "--image")
         cluster = dataclasses.replace(cluster, image=check_image(image, "--image"))
-    if time and cluster.slurm is None:
-        where = f"cluster {cluster.name}" if over_ssh(cluster) else "this machine"
-        raise UserError(f"--time is a Slurm job's time limit: {where} has no Slurm")
+    if time:
+        require(cluster, Feature.TIME_LIMIT, "--time")
     if cluster.needs_image and not cluster.image:
         raise UserError(
             f"cluster {cluster.name!r} runs jobs in a container image and has none: run dtrain build --cluster "
             f'{cluster.name}, or set image = "..." in [clusters.{cluster.name}], or pass --image'
         )
     return cluster
-
-
-def over_ssh(cluster: Cluster) -> bool:
-    """Whether `cluster`'s nodes are reached over SSH (not this machine's own processes)."""
-    return get(cluster.launcher).over_ssh

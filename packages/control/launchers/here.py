@@ -11,21 +11,17 @@ from __future__ import annotations
 
 from dtrain.control.events import Events, Handle
 from dtrain.control.launch_result import LaunchResult
-from dtrain.control.launchers import Plan
+from dtrain.control.launchers import Feature, Plan
 
 
 class Here:
     name = "local"
-    over_ssh = False
+    place = "this machine"
+
+    def features(self, cluster: object) -> frozenset[Feature]:
+        return frozenset({Feature.LOCAL, Feature.GPU_QUERY, Feature.EVAL})
 
     def launch(self, plan: Plan, *, events: Events, handle: Handle) -> LaunchResult:
-        if plan.image:
-            from dtrain.common.errors import UserError
-
-            raise UserError(
-                "--image runs the job in containers on a cluster's nodes: add --cluster NAME (a hosts or gcp "
-                "cluster); on this machine use `docker compose --profile cpu up` or docker run (see compose.yaml)"
-            )
         from dtrain.control.userjob import run_program_here
 
         code = run_program_here(plan, events=events, handle=handle)

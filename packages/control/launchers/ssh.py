@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from dtrain.control.events import Events, Handle
 from dtrain.control.launch_result import LaunchResult
-from dtrain.control.launchers import Plan
+from dtrain.control.launchers import Feature, Plan
 
 
 class OverSSH:
     name = "ssh"
-    over_ssh = True
+    place = "cluster {name!r}"
+
+    def features(self, cluster: object) -> frozenset[Feature]:
+        return frozenset({Feature.SSH, Feature.NODE_CHECKS, Feature.GPU_QUERY, Feature.EVAL, Feature.CONTAINERS})
 
     def launch(self, plan: Plan, *, events: Events, handle: Handle) -> LaunchResult:
         from dtrain.control.remote_program import launch_program_cluster

@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from dtrain.common.slurmstep import ARGS_TOKEN, INNER_SPEC_KEY
+from dtrain.common.slurmstep import ARGS_TOKEN
 from dtrain.control.cluster import Cluster, Node
 
 MASTER = Node(name="__dtrain_master__", address="__dtrain_master_addr__")  # the allocation's first node
@@ -58,37 +58,6 @@ def _without_secrets(value: Any) -> Any:
     return value
 
 
-def node_template(cluster: Cluster, node: Node, **spec_args: Any) -> dict[str, Any]:
-    """The node agent's job spec (dtrain.control.remote.job_spec) for any node of an allocation: what only
-    the allocation knows is left as dtrain.common.slurmstep's placeholders."""
-    from dtrain.control.remote import job_spec
-
-    stand_in = dataclasses.replace(cluster, nodes=(MASTER,))
-    some_node = dataclasses.replace(node, name="__dtrain_node__", address="__dtrain_addr__")
-    spec = job_spec(
-        stand_in,
-        some_node,
-        nproc="__dtrain_nproc__",  # type: ignore[arg-type]  # placeholders, filled in on the node
-        threads="__dtrain_threads__",  # type: ignore[arg-type]
-        max_restarts=0,  # Slurm requeues the whole job instead (see dtrain.common.slurmstep)
-        argv=[ARGS_TOKEN],
-        **spec_args,
-    )
-    from dtrain.common.nodeagent import INNER_SPEC_ENV
-
-    inner = json.loads(spec["env"][INNER_SPEC_ENV]) if INNER_SPEC_ENV in spec.get("env", {}) else None
-    if inner is not None:  # container mode with an agent inside: torchrun is in that agent's spec
-        torchrun = inner["argv"]
-    else:
-        torchrun = spec["container"]["args"] if spec.get("container") else spec["argv"]
-    _set(torchrun, "--nnodes", "__dtrain_nnodes__")
-    _set(torchrun, "--rdzv-conf", _option(torchrun, "--rdzv-conf").replace("is_host=0", "is_host=__dtrain_is_host__"))
-    if inner is not None:  # kept as JSON, not a string, until the node fills it in (slurmstep.fill)
-        del spec["env"][INNER_SPEC_ENV]
-        spec[INNER_SPEC_KEY] = inner
-    return spec
-
-
 def _option(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
@@ -115,13 +84,16 @@ def module_files(
     (`keep_log`): the run's logs/ are its training's."""
     assert cluster.slurm is not None and not cluster.image
     s = cluster.slurm
-    common = {"module": module, "run_id": label, "gpus": gpus_per_node, "paths": {}, "debug": False}
+    from dtrain.control.remote import NodeWork, node_spec
+
     nodes = {n.name: n for n in cluster.nodes} if s.managed else {"*": s.login}
+    stand_in = dataclasses.replace(cluster, nodes=(MASTER,))  # one process: no rendezvous to fill in
     specs = {}
     for key, node in nodes.items():
-        spec = node_template(cluster, node, **common)
-        spec["argv"] = [node.python, "-m", module, ARGS_TOKEN]
-        specs[key] = spec
+        work = NodeWork(tail=[node.python, "-m", module, ARGS_TOKEN], torchrun=False)
+        some_node = dataclasses.replace(node, name="__dtrain_node__", address="__dtrain_addr__")
+        threads: Any = "__dtrain_threads__"  # a placeholder, filled in on the node
+        specs[key] = node_spec(stand_in, some_node, work, run_id=label, nproc=1, threads=threads, gpus=gpus_per_node)
     job = {
         "version": 1,
         "workload": workload,
@@ -146,13 +118,13 @@ def module_files(
 
 def program_template(plan: Any, node: Node) -> dict[str, Any]:
     """The node agent's spec for a user's program (dtrain.control.remote_program.program_spec, the SSH
-    launcher's) on any node of an allocation: what only the allocation knows is left as placeholders, as in
-    node_template; the node's rank among them. Paths are relative to the job's directory on the node."""
+    launcher's) on any node of an allocation: what only the allocation knows is left as dtrain.common.slurmstep's
+    placeholders; the node's rank among them. Paths are relative to the job's directory on the node."""
     from dtrain.common import jobenv
     from dtrain.control.remote_program import program_spec
 
     # The synced-mode spec even for a job in an image: each node's step wraps it in its container after it fills
-    # in the allocation and installs the requirements (dtrain.common.slurmstep.program_spec).
+    # in the allocation and installs the requirements (dtrain.common.slurmstep.node_program_spec).
     stand_in = dataclasses.replace(plan.cluster, nodes=(MASTER,), image="")
     some_node = dataclasses.replace(node, name="__dtrain_node__", address="__dtrain_addr__")
     # rank 0: the spec the first node runs (it forwards the metrics); the node's step adjusts it for the others.
@@ -184,7 +156,7 @@ def program_files(
 ) -> BatchFiles:
     """The batch script and job.json of a job (`plan`: a launchers.Plan with its run: a user's program, or a
     built-in: launch.builtin_plan). job.json's `program` table says what the batch step and each node's step do
-    for it (dtrain.common.slurmstep.program_started, program_spec): whether it has a working directory (a
+    for it (dtrain.common.slurmstep.program_started, node_program_spec): whether it has a working directory (a
     built-in has none: no requirements, dtrain's code), the project's setup commands and each node's base
     interpreter (requirements are installed on the nodes), the starts before this job, whether the job's
     directory is one the nodes share, and the run's config.json for its first start (None: a built-in writes

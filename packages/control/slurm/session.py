@@ -51,11 +51,10 @@ class Session:
     Slurm's commands there, and the job table."""
 
     def __init__(self, cluster: Cluster, *, accept_new_host_keys: bool = False) -> None:
-        if cluster.slurm is None:
-            raise UserError(
-                f'cluster {cluster.name!r} has no Slurm: jobs queue on Slurm clusters (backend = "slurm", '
-                "a hosts cluster with slurm = true, or gcp); on this one use `dtrain train`"
-            )
+        from dtrain.control import launchers
+
+        launchers.require(cluster, launchers.Feature.QUEUE)
+        assert cluster.slurm is not None
         self.cluster, self.spec = cluster, cluster.slurm
         self.login = cluster.slurm.login
         self.ssh = SSH(cluster, accept_new_host_keys=accept_new_host_keys)
