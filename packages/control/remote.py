@@ -48,6 +48,8 @@ from dtrain.common.errors import ExitCode, UserError
 from dtrain.common.metrics import PROGRESS_PREFIX
 from dtrain.common.nodeagent import CONTAINER_MOUNTS, CONTROL_PREFIX, INNER_SPEC_ENV, job_container_name
 from dtrain.common.progress import StragglerSet
+from dtrain.common.resources import EVENT as RESOURCES_EVENT
+from dtrain.common.resources import Recorder
 from dtrain.common.storage import Store, is_remote
 from dtrain.control.cluster import Cluster, Node
 from dtrain.control.events import Events, Handle, Stop
@@ -508,7 +510,9 @@ class NodeAgents:
         handle: Handle,
         echo: bool = True,
         tail: int = 0,
+        resources: Recorder | None = None,
     ) -> None:
+        self.resources = resources  # where the agents' "resources" lines go (dtrain.common.resources)
         self.ssh, self.cluster, self.run_id, self.specs, self.logs = ssh, cluster, run_id, specs, logs
         self.events, self.handle = events, handle
         self.echo = echo  # False: keep the lines in .output instead of reporting them
@@ -725,6 +729,8 @@ class NodeAgents:
                     self._on_hang(name, ev)
                 elif isinstance(ev, dict) and ev.get("event") == "alive":
                     self._on_alive(name, ev)
+                elif isinstance(ev, dict) and ev.get("event") == RESOURCES_EVENT and self.resources is not None:
+                    self.resources.add(name, {k: v for k, v in ev.items() if k != "event"})
             return
         if line.startswith(PROGRESS_PREFIX):
             with contextlib.suppress(ValueError):

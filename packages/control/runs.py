@@ -35,7 +35,9 @@ LIST_KEYS = (
     "url",
     "error",
     "stragglers",
+    "peak_memory",
 )
+SERIES_POINTS = 120  # samples a node's curve keeps in `dtrain runs --json` and on the run page (evenly spaced)
 # A run id is one path segment: what run_location makes, or a name a person gave a directory.
 RUN_ID_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 HANG_STACK_CHARS = 200_000  # of a hung rank's stacks a page shows (faulthandler's are a few KiB a thread)
@@ -50,9 +52,18 @@ class NoSuchRun(UserError):
     """No run of that id under the output location."""
 
 
-def list_runs(output: str) -> list[dict[str, Any]]:
-    """Every run directory directly under `output` (local or gs://), newest first."""
-    return [{k: row[k] for k in LIST_KEYS} for row in runs_table(output)]
+def list_runs(output: str, *, resources: bool = False) -> list[dict[str, Any]]:
+    """Every run directory directly under `output` (local or gs://), newest first. `resources`: each row also has
+    its nodes' resource curves (dtrain.common.resources.read_series, at most SERIES_POINTS samples a node), read
+    from each run's resources/ (what `dtrain runs --json` shows; the table reads none)."""
+    rows = [{k: row[k] for k in LIST_KEYS} for row in runs_table(output)]
+    if resources:
+        from dtrain.common.resources import read_series
+
+        root = open_store(output)
+        for row in rows:
+            row["resources"] = read_series(root.child(row["run_id"]), points=SERIES_POINTS)
+    return rows
 
 
 def runs_table(output: str) -> list[dict[str, Any]]:
@@ -133,6 +144,7 @@ def _summary(root: Store, name: str) -> dict[str, Any]:
         "error": status.get("error"),
         "skipped_metric_lines": len(metrics.skipped),
         "stragglers": current_stragglers(run, state),
+        "peak_memory": status.get("peak_memory") or {},  # each rank's (dtrain.common.runrecord.record_peaks)
     }
     with _summaries_lock:
         _summaries[run.url] = _Cached(status_bytes, row)
@@ -407,7 +419,9 @@ def run_summary(output: str, run_id: str) -> dict[str, Any]:
 
 def run_detail(output: str, run_id: str) -> dict[str, Any]:
     """Everything about one run but its metrics, events and logs (read those as they grow): its table
-    row, config.json, status.json and checkpoints."""
+    row, config.json, status.json, checkpoints and its nodes' resource curves."""
+    from dtrain.common.resources import read_series
+
     run = open_run(output, run_id)
     return {
         "run_id": run_id,
@@ -415,6 +429,7 @@ def run_detail(output: str, run_id: str) -> dict[str, Any]:
         "config": read_json(run, "config.json") or {},
         "status": read_json(run, "status.json") or {},
         "checkpoints": checkpoints(run),
+        "resources": read_series(run, points=SERIES_POINTS),
         "url": run.url,
     }
 

@@ -1,0 +1,411 @@
+"""Resource curves (docs/runs.md, "Resource curves"): what a node's CPU, memory and GPUs did while a job ran, and
+each rank's peak memory. Standard library only at import time: the node agent runs it where only Python is
+sure to be, and NVML (the `nvidia-ml-py` wheel's `pynvml`) is imported when a sampler first looks for GPUs.
+
+Two halves:
+
+    Sampler   on the node (dtrain.common.nodeagent's `run`, or dtrain.control.userjob on this machine): one row
+              every interval from /proc (the node's CPU %, its memory used/total, the job's process tree's RSS,
+              each rank's RSS and its high-water mark VmHWM) and NVML where a driver answers (each GPU's
+              utilisation and memory; each rank's GPU memory, from NVML's per-process accounting).
+    Recorder  where the run is recorded (the launcher; Slurm's batch step): the rows of node N appended to the
+              run's resources/<N>.jsonl, and each rank's peak in status.json's `peak_memory`
+              (dtrain.common.runrecord.record_peaks) every STATUS_EVERY_S while it grows, and at the end.
+
+A node's file is bounded: past MAX_ROWS rows every other row is dropped (the file rewritten once) and from then on
+only every other row is kept, so a week-long run keeps its whole span at a coarser step.
+
+A row: {"time", "node", "cpu_pct", "mem_used", "mem_total", "tree_rss", "ranks": {"<rank>": {"rss", "hwm",
+"gpu"?}}, "gpus": [{"index", "util_pct", "mem_used", "mem_total"}], "sample_ms"}: bytes, and the sampler's own
+CPU time for the row (process time, milliseconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dtrain.common.storage import Store
+
+SAMPLE_EVERY_S = 5.0  # the default interval ([run] sample_interval, DTRAIN_SAMPLE_INTERVAL)
+RESOURCES = "resources"  # the run's folder of per-node files: resources/<node>.jsonl
+MAX_ROWS = 2000  # rows a node's file keeps (2.8 hours at 5 s before the first thinning)
+STATUS_EVERY_S = 30.0  # status.json's peaks, at most this often while they grow (and once at the end)
+REMOTE_FLUSH_S = 30.0  # a bucket's run: rows appended in batches this often (each append is two requests)
+EVENT = "resources"  # the node agent's control line: {"event": "resources", **row}
+
+
+def resources_file(node: str) -> str:
+    return f"{RESOURCES}/{node}.jsonl"
+
+
+# --- the node side ----------------------------------------------------------------------------------------------
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole node, from /proc/stat's first line."""
+    fields = [int(x) for x in _read("/proc/stat").split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # guest time is already counted in user time
+    return total - idle, total
+
+
+def node_memory() -> tuple[int, int]:
+    """(used, total) bytes: MemTotal - MemAvailable, as `free` counts used memory."""
+    info: dict[str, int] = {}
+    for line in _read("/proc/meminfo").splitlines():
+        name, _, rest = line.partition(":")
+        if name in ("MemTotal", "MemAvailable", "MemFree"):
+            info[name] = int(rest.split()[0]) * 1024
+    total = info.get("MemTotal", 0)
+    return total - info.get("MemAvailable", info.get("MemFree", 0)), total
+
+
+def process_memory(pid: int) -> tuple[int, int] | None:
+    """(RSS, peak RSS) bytes of a process (/proc/PID/status VmRSS, VmHWM), None if it is gone (or a zombie)."""
+    try:
+        text = _read(f"/proc/{pid}/status")
+    except OSError:
+        return None
+    got: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            got[line[:5]] = int(line.split()[1]) * 1024
+    if "VmRSS" not in got:
+        return None
+    return got["VmRSS"], got.get("VmHWM", got["VmRSS"])
+
+
+def _environ_rank(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            for item in f.read().split(b"\0"):
+                if item.startswith(b"RANK="):
+                    return int(item[5:])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(_read(f"/proc/{pid}/stat").rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class Gpus:
+    """The node's GPUs through NVML: nothing (and no error) where `pynvml` is not installed or no driver answers.
+    `sample()`: one dict a GPU, and the GPU memory each process uses (pid -> bytes, over every GPU)."""
+
+    def __init__(self) -> None:
+        self.nvml: Any = None
+        self.handles: list[Any] = []
+        self.why = ""  # why there are none: "pynvml is not installed", NVML's own error
+        try:
+            import pynvml  # the nvidia-ml-py wheel
+        except ImportError:
+            self.why = "pynvml (nvidia-ml-py) is not installed"
+            return
+        try:
+            pynvml.nvmlInit()
+            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except pynvml.NVMLError as e:
+            self.why = f"NVML: {e}"
+            return
+        self.nvml = pynvml
+
+    def sample(self) -> tuple[list[dict[str, Any]], dict[int, int]]:
+        if self.nvml is None:
+            return [], {}
+        nv, gpus, per_pid = self.nvml, [], {}
+        for i, h in enumerate(self.handles):
+            row: dict[str, Any] = {"index": i}
+            with contextlib.suppress(nv.NVMLError):
+                row["util_pct"] = int(nv.nvmlDeviceGetUtilizationRates(h).gpu)
+            with contextlib.suppress(nv.NVMLError):
+                mem = nv.nvmlDeviceGetMemoryInfo(h)
+                row["mem_used"], row["mem_total"] = int(mem.used), int(mem.total)
+            with contextlib.suppress(nv.NVMLError):
+                for p in nv.nvmlDeviceGetComputeRunningProcesses(h):
+                    used = p.usedGpuMemory  # None where the driver does not account per process (some vGPUs)
+                    if isinstance(used, int):
+                        per_pid[int(p.pid)] = per_pid.get(int(p.pid), 0) + used
+            gpus.append(row)
+        return gpus, per_pid
+
+    def close(self) -> None:
+        if self.nvml is not None:
+            with contextlib.suppress(self.nvml.NVMLError):
+                self.nvml.nvmlShutdown()
+            self.nvml = None
+
+
+class Sampler:
+    """One row of a node's resources per `sample(pids)` call, `pids` being the job's process tree (its root
+    first). A rank is a process with RANK in its environment whose parent has none (torchrun's workers, or
+    accelerate's); its RANK is learnt once, while it runs."""
+
+    def __init__(self, *, gpus: bool = True) -> None:
+        self.gpus = Gpus() if gpus else None
+        self._cpu = cpu_times()
+        self._ranks: dict[int, int | None] = {}  # pid -> its rank (None: not a rank)
+
+    def rank_of(self, pid: int) -> int | None:
+        if pid not in self._ranks:
+            rank = _environ_rank(pid)
+            parent = _parent(pid) if rank is not None else None
+            # A rank's own children (data loader workers, a compile worker) inherit RANK: their parent has it too.
+            if rank is not None and parent is not None and _environ_rank(parent) is not None:
+                rank = None
+            self._ranks[pid] = rank
+        return self._ranks[pid]
+
+    def sample(self, pids: Iterable[int]) -> dict[str, Any]:
+        spent = time.process_time()
+        busy, total = cpu_times()
+        d_busy, d_total = busy - self._cpu[0], total - self._cpu[1]
+        self._cpu = (busy, total)
+        used, mem_total = node_memory()
+        gpus, gpu_by_pid = self.gpus.sample() if self.gpus is not None else ([], {})
+        tree_rss, ranks = 0, {}
+        live = list(pids)
+        for pid in live:
+            mem = process_memory(pid)
+            if mem is None:
+                continue
+            tree_rss += mem[0]
+            rank = self.rank_of(pid)
+            if rank is not None:
+                entry = {"rss": mem[0], "hwm": mem[1]}
+                if pid in gpu_by_pid:
+                    entry["gpu"] = gpu_by_pid[pid]
+                ranks[str(rank)] = entry
+        for gone in set(self._ranks) - set(live):
+            del self._ranks[gone]
+        row: dict[str, Any] = {
+            "time": round(time.time(), 3),
+            "cpu_pct": round(100.0 * d_busy / d_total, 1) if d_total > 0 else 0.0,
+            "mem_used": used,
+            "mem_total": mem_total,
+            "tree_rss": tree_rss,
+            "ranks": ranks,
+        }
+        if gpus:
+            row["gpus"] = gpus
+        row["sample_ms"] = round((time.process_time() - spent) * 1000, 3)
+        return row
+
+    def close(self) -> None:
+        if self.gpus is not None:
+            self.gpus.close()
+
+
+class SamplerThread:
+    """A Sampler run every `interval_s` on a thread of its own, each row handed to `emit` (a control line, a
+    Recorder); `pids()` gives the job's process tree at that moment. A failing sampler says so once and stops:
+    it never takes the job down with it."""
+
+    def __init__(
+        self, interval_s: float, pids: Callable[[], list[int]], emit: Callable[[dict[str, Any]], None],
+        *, warn: Callable[[str], None] = lambda _m: None,
+    ) -> None:  # fmt: skip
+        self.interval_s, self.pids, self.emit, self.warn = interval_s, pids, emit, warn
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="resources", daemon=True)
+
+    def start(self) -> SamplerThread:
+        if self.interval_s > 0:
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        try:
+            sampler = Sampler()
+        except Exception as e:  # noqa: BLE001 - no /proc (not Linux): no curves, the job runs on
+            self.warn(f"resource sampling is off: {e}")
+            return
+        try:
+            while not self._stop.wait(self.interval_s):
+                pids = self.pids()
+                if pids:
+                    self.emit(sampler.sample(pids))
+        except Exception as e:  # noqa: BLE001
+            self.warn(f"resource sampling stopped: {e}")
+        finally:
+            sampler.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+
+# --- the recording side -----------------------------------------------------------------------------------------
+
+
+def peaks_of(row: Mapping[str, Any], node: str) -> dict[str, dict[str, Any]]:
+    """Each rank's peak as one row shows it: {"<rank>": {"node", "rss_peak", "gpu_peak"?}} (bytes)."""
+    out: dict[str, dict[str, Any]] = {}
+    ranks = row.get("ranks")
+    if not isinstance(ranks, dict):
+        return out
+    for rank, r in ranks.items():
+        if not isinstance(r, dict):
+            continue
+        with contextlib.suppress(TypeError, ValueError):
+            peak = {"node": node, "rss_peak": int(max(r.get("hwm") or 0, r.get("rss") or 0))}
+            if r.get("gpu") is not None:
+                peak["gpu_peak"] = int(r["gpu"])
+            out[str(rank)] = peak
+    return out
+
+
+def merge_peaks(into: dict[str, dict[str, Any]], more: Mapping[str, Mapping[str, Any]]) -> bool:
+    """`more`'s peaks into `into` (the larger of each); True if anything grew."""
+    grew = False
+    for rank, p in more.items():
+        have = into.setdefault(rank, {"node": p.get("node")})
+        for key in ("rss_peak", "gpu_peak"):
+            if isinstance(p.get(key), int) and p[key] > (have.get(key) or 0):
+                have[key], have["node"], grew = p[key], p.get("node"), True
+    return grew
+
+
+class Recorder:
+    """Rows from the nodes into the run (see the module docstring). `add` may be called from several threads;
+    `close` (before the launcher records the run's end) writes the last rows and the final peaks."""
+
+    def __init__(self, run: Store, *, max_rows: int = MAX_ROWS, flush_s: float | None = None) -> None:
+        from dtrain.common.storage import is_remote
+
+        self.run, self.max_rows = run, max_rows
+        self.flush_s = (REMOTE_FLUSH_S if is_remote(run.url) else 0.0) if flush_s is None else flush_s
+        self._lock = threading.Lock()
+        self._rows: dict[str, list[dict[str, Any]]] = {}  # node -> the rows its file holds (and pending ones)
+        self._stride: dict[str, int] = {}  # node -> keep one row in this many
+        self._seen: dict[str, int] = {}  # node -> rows offered since the last thinning
+        self._pending: dict[str, list[dict[str, Any]]] = {}
+        self._flushed_at = time.monotonic()
+        self.peaks: dict[str, dict[str, Any]] = {}
+        self._peaks_grew = False
+        self._status_at = time.monotonic()
+        self._closed = False
+
+    def _load(self, node: str) -> None:
+        """The node's file as an earlier start of the run left it (a resumed run's curve goes on)."""
+        rows: list[dict[str, Any]] = []
+        with contextlib.suppress(Exception):
+            for line in self.run.read_bytes(resources_file(node)).decode(errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    if isinstance(row := json.loads(line), dict):
+                        rows.append(row)
+        self._rows[node], self._stride[node], self._seen[node] = rows, 1, 0
+        while len(rows) >= self.max_rows:  # a longer file (another MAX_ROWS): thin it as if grown here
+            rows[:] = rows[::2]
+            self._stride[node] *= 2
+
+    def add(self, node: str, row: Mapping[str, Any]) -> None:
+        row = {**row, "node": node}
+        with self._lock:
+            if self._closed:
+                return
+            if node not in self._rows:
+                self._load(node)
+            if merge_peaks(self.peaks, peaks_of(row, node)):
+                self._peaks_grew = True
+            self._seen[node] += 1
+            if (self._seen[node] - 1) % self._stride[node]:
+                return  # thinned: this row is not kept (its peaks are)
+            rows = self._rows[node]
+            rows.append(row)
+            if len(rows) >= self.max_rows:
+                rows[:] = rows[::2]
+                self._stride[node] *= 2
+                self._seen[node] = 0
+                self._pending.pop(node, None)
+                self._rewrite(node)
+            else:
+                self._pending.setdefault(node, []).append(row)
+            self._maybe_flush()
+
+    def _rewrite(self, node: str) -> None:
+        data = "".join(json.dumps(r) + "\n" for r in self._rows[node]).encode()
+        with contextlib.suppress(Exception):  # best effort: curves never fail a run
+            self.run.write_bytes(resources_file(node), data)
+
+    def _maybe_flush(self, *, final: bool = False) -> None:
+        now = time.monotonic()
+        if final or now - self._flushed_at >= self.flush_s:
+            self._flushed_at = now
+            for node, rows in self._pending.items():
+                data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+                with contextlib.suppress(Exception):
+                    self.run.append_bytes(resources_file(node), data)
+            self._pending.clear()
+        if self._peaks_grew and (final or now - self._status_at >= STATUS_EVERY_S):
+            self._status_at, self._peaks_grew = now, False
+            from dtrain.common import runrecord
+
+            with contextlib.suppress(Exception):
+                runrecord.record_peaks(self.run, self.peaks)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._maybe_flush(final=True)
+                self._closed = True
+
+
+def read_series(run: Store, *, points: int = 0) -> dict[str, dict[str, Any]]:
+    """Each node's curves from the run's resources/: {node: {"time": [...], "cpu_pct": [...], "mem_used": [...],
+    "mem_total", "tree_rss": [...], "gpu_util_pct": [[...] per GPU], "gpu_mem_used": [[...] per GPU]}}; with
+    `points`, at most that many samples a node (evenly spaced, the last one kept)."""
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        names = sorted(p for p in run.list(RESOURCES) if p.startswith(f"{RESOURCES}/") and p.endswith(".jsonl"))
+    except Exception:  # noqa: BLE001 - no folder, an unreadable store: no curves
+        return out
+    for name in names:
+        rows = []
+        with contextlib.suppress(Exception):
+            for line in run.read_bytes(name).decode(errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    if isinstance(r := json.loads(line), dict) and isinstance(r.get("time"), (int, float)):
+                        rows.append(r)
+        if not rows:
+            continue
+        rows.sort(key=lambda r: r["time"])
+        if points and len(rows) > points:
+            step = len(rows) / points
+            rows = [rows[int(i * step)] for i in range(points - 1)] + [rows[-1]]
+        node = name.rsplit("/", 1)[-1][: -len(".jsonl")]
+        n_gpus = max((len(r.get("gpus") or []) for r in rows), default=0)
+        series: dict[str, Any] = {
+            "time": [r["time"] for r in rows],
+            "cpu_pct": [r.get("cpu_pct") for r in rows],
+            "mem_used": [r.get("mem_used") for r in rows],
+            "mem_total": rows[-1].get("mem_total"),
+            "tree_rss": [r.get("tree_rss") for r in rows],
+        }
+        if n_gpus:
+            series["gpu_util_pct"] = [[_gpu(r, i, "util_pct") for r in rows] for i in range(n_gpus)]
+            series["gpu_mem_used"] = [[_gpu(r, i, "mem_used") for r in rows] for i in range(n_gpus)]
+            series["gpu_mem_total"] = [_gpu(rows[-1], i, "mem_total") for i in range(n_gpus)]
+        out[node] = series
+    return out
+
+
+def _gpu(row: Mapping[str, Any], i: int, key: str) -> Any:
+    gpus = row.get("gpus") or []
+    return gpus[i].get(key) if i < len(gpus) and isinstance(gpus[i], dict) else None

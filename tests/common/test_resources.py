@@ -1,0 +1,285 @@
+"""Resource curves (dtrain.common.resources): the sampler on real processes of this machine, the recorder's file
+and status.json peaks, the node agent's "resources" lines, their way through the SSH launcher and Slurm's batch
+step, and NVML's side as far as this machine (no GPU, no driver) can honestly take it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from dtrain.common import resources, runrecord, slurmstep
+from dtrain.common.nodeagent import CONTROL_PREFIX
+from dtrain.common.storage import open_store
+
+MIB = 1 << 20
+# A process that holds `MB` MiB (touched, so resident) and then waits to be killed.
+HOLD = "import sys, time; b = bytearray(int(sys.argv[1]) << 20); b[::4096] = b'x' * len(b[::4096]); " \
+       "print('ready', flush=True); time.sleep(60)"  # fmt: skip
+
+
+def hold(mb: int, **env: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(mb)], env={**os.environ, **env}, stdout=subprocess.PIPE,
+                         text=True)  # fmt: skip
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
+@pytest.fixture
+def no_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This test process is not a rank (a launcher's process never is): its children are ranks by their own RANK."""
+    monkeypatch.delenv("RANK", raising=False)
+
+
+def test_a_sample_has_the_nodes_cpu_and_memory_and_each_ranks_rss_and_peak(no_rank) -> None:
+    ranked, plain = hold(48, RANK="3"), hold(8)
+    try:
+        s = resources.Sampler(gpus=False)
+        time.sleep(0.2)
+        row = s.sample([os.getpid(), ranked.pid, plain.pid])
+    finally:
+        for p in (ranked, plain):
+            p.kill()
+            p.wait()
+    assert 0.0 <= row["cpu_pct"] <= 100.0
+    assert 0 < row["mem_used"] < row["mem_total"]
+    assert set(row["ranks"]) == {"3"}  # only the process with RANK
+    r = row["ranks"]["3"]
+    assert r["rss"] >= 48 * MIB and r["hwm"] >= r["rss"]
+    assert row["tree_rss"] >= r["rss"] + 8 * MIB  # the whole tree, ranks or not
+    assert "gpus" not in row
+    assert 0 <= row["sample_ms"] < 1000
+
+
+def test_a_ranks_own_children_are_not_ranks(no_rank) -> None:
+    """A data loader worker inherits RANK from its rank: it is counted in the tree, not as a rank of its own."""
+    code = f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {HOLD!r}, '4']); p.wait()"
+    parent = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "RANK": "0"})
+    try:
+        from dtrain.common.nodeagent import tree
+
+        deadline = time.monotonic() + 20
+        while len(pids := tree(parent.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        s = resources.Sampler(gpus=False)
+        assert [s.rank_of(p) for p in pids] == [0, None]
+    finally:
+        for p in reversed(tree(parent.pid)):
+            os.kill(p, 9)
+        parent.wait()
+
+
+def row(t: float, rss: int, *, rank: str = "0", gpu: int | None = None) -> dict:
+    r = {"rss": rss, "hwm": rss}
+    if gpu is not None:
+        r["gpu"] = gpu
+    return {"time": t, "cpu_pct": 50.0, "mem_used": 1 << 30, "mem_total": 4 << 30, "tree_rss": rss, "ranks": {rank: r}}
+
+
+def rows_of(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_the_recorder_keeps_a_bounded_file_over_the_whole_span(tmp_path: Path) -> None:
+    run = open_store(str(tmp_path / "run"))
+    rec = resources.Recorder(run, max_rows=10)
+    for i in range(100):
+        rec.add("n1", row(1000.0 + i, (i + 1) * MIB))
+    rec.close()
+    kept = rows_of(tmp_path / "run" / "resources" / "n1.jsonl")
+    times = [r["time"] for r in kept]
+    assert len(kept) < 10 and times == sorted(times) and len(set(times)) == len(times)
+    assert times[0] == 1000.0 and times[-1] >= 1000.0 + 100 - 16  # the whole span, at a coarser step
+    assert all(r["node"] == "n1" for r in kept)
+    # The peak is every row's, kept or thinned out: the last (largest) row was offered after the last kept one.
+    peaks = runrecord.read_status(run)["peak_memory"]
+    assert peaks == {"0": {"node": "n1", "rss_peak": 100 * MIB}}
+
+
+def test_peaks_are_the_largest_of_every_start_and_node(tmp_path: Path) -> None:
+    run = open_store(str(tmp_path / "run"))
+    runrecord.record_start(run, starts=1, host="h")
+    first = resources.Recorder(run)
+    first.add("n1", row(1.0, 300 * MIB, gpu=2 << 30))
+    first.add("n2", row(1.0, 100 * MIB, rank="1"))
+    first.close()
+    first.add("n1", row(2.0, 900 * MIB))  # after close: dropped (the launcher records the end next)
+    runrecord.record_end(run, 3)
+    runrecord.record_start(run, starts=2, host="h")
+    again = resources.Recorder(run)  # a resumed run: the file goes on, the earlier peaks stay
+    again.add("n1", row(5.0, 200 * MIB))
+    again.add("n2", row(5.0, 150 * MIB, rank="1", gpu=1 << 30))
+    again.close()
+    status = runrecord.read_status(run)
+    assert status["state"] == "running" and status["starts"] == 2
+    assert status["peak_memory"] == {
+        "0": {"node": "n1", "rss_peak": 300 * MIB, "gpu_peak": 2 << 30},
+        "1": {"node": "n2", "rss_peak": 150 * MIB, "gpu_peak": 1 << 30},
+    }
+    assert [r["time"] for r in rows_of(tmp_path / "run" / "resources" / "n1.jsonl")] == [1.0, 5.0]
+
+
+def test_read_series_gives_each_nodes_curves_and_spaces_a_long_one_out(tmp_path: Path) -> None:
+    run = open_store(str(tmp_path / "run"))
+    rec = resources.Recorder(run)
+    for i in range(50):
+        r = row(100.0 + i, MIB)
+        r["gpus"] = [{"index": 0, "util_pct": i, "mem_used": i * MIB, "mem_total": 80 << 30}]
+        rec.add("n1", r)
+    rec.add("n2", row(100.0, MIB))
+    rec.close()
+    (tmp_path / "run" / "resources" / "n2.jsonl").open("a").write("not json\n")  # a torn last line is skipped
+    s = resources.read_series(run, points=10)
+    assert sorted(s) == ["n1", "n2"]
+    n1 = s["n1"]
+    assert len(n1["time"]) == 10 and n1["time"][0] == 100.0 and n1["time"][-1] == 149.0
+    assert n1["mem_total"] == 4 << 30 and len(n1["cpu_pct"]) == 10
+    assert n1["gpu_util_pct"][0][-1] == 49 and n1["gpu_mem_total"] == [80 << 30]
+    assert s["n2"]["time"] == [100.0] and "gpu_util_pct" not in s["n2"]
+    assert resources.read_series(open_store(str(tmp_path / "none"))) == {}
+
+
+def test_no_pynvml_means_no_gpus_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # as if nvidia-ml-py were not installed
+    g = resources.Gpus()
+    assert g.sample() == ([], {}) and "not installed" in g.why
+
+
+def test_nvml_without_a_driver_means_no_gpus_and_says_why() -> None:
+    """The real nvidia-ml-py on a machine with no NVIDIA driver (this one): NVML's own error, no exception."""
+    pytest.importorskip("pynvml", reason="needs nvidia-ml-py (the train extra)")
+    if Path("/proc/driver/nvidia").exists():
+        pytest.skip("this machine has an NVIDIA driver: tests/gpu covers it")
+    g = resources.Gpus()
+    assert g.sample() == ([], {}) and g.why.startswith("NVML: ")
+
+
+class FakeNvml(types.ModuleType):
+    """NVML's Python API as nvidia-ml-py spells it, answering for two GPUs: the parsing and recording path's
+    stand-in on a machine without a driver (the real thing runs in tests/gpu on a lent GPU)."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, pids: dict[int, int]) -> None:
+        super().__init__("pynvml")
+        self.pids, self.shut = pids, False
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None:
+        self.shut = True
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetUtilizationRates(self, h: int):
+        if h == 1:
+            raise self.NVMLError("Not Supported")
+        return types.SimpleNamespace(gpu=87, memory=40)
+
+    def nvmlDeviceGetMemoryInfo(self, h: int):
+        return types.SimpleNamespace(used=(h + 1) << 30, total=80 << 30, free=0)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int):
+        return [types.SimpleNamespace(pid=p, usedGpuMemory=m) for p, m in self.pids.items()] if h == 0 else \
+               [types.SimpleNamespace(pid=1, usedGpuMemory=None)]  # fmt: skip
+
+
+def test_gpu_rows_and_each_ranks_gpu_memory_reach_the_run(no_rank, monkeypatch, tmp_path: Path) -> None:
+    ranked = hold(4, RANK="0")
+    fake = FakeNvml({ranked.pid: 3 << 30})
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    try:
+        s = resources.Sampler()
+        r = s.sample([ranked.pid])
+        s.close()
+    finally:
+        ranked.kill()
+        ranked.wait()
+    assert fake.shut
+    assert r["gpus"] == [
+        {"index": 0, "util_pct": 87, "mem_used": 1 << 30, "mem_total": 80 << 30},
+        {"index": 1, "mem_used": 2 << 30, "mem_total": 80 << 30},  # no utilisation where NVML has none
+    ]
+    assert r["ranks"]["0"]["gpu"] == 3 << 30
+    run = open_store(str(tmp_path / "run"))
+    rec = resources.Recorder(run)
+    rec.add("g1", r)
+    rec.close()
+    assert runrecord.read_status(run)["peak_memory"]["0"]["gpu_peak"] == 3 << 30
+
+
+def agent_spec(interval: float, seconds: float) -> dict:
+    code = f"import time; b = bytearray(32 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep({seconds})"
+    return {"argv": [sys.executable, "-c", code], "env": {"RANK": "5"}, "grace_s": 5, "hang": {"timeout_s": 0},
+            "resources": {"interval_s": interval}}  # fmt: skip
+
+
+def agent_rows(spec: dict) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    # stdin stays open while the job runs: the agent stops a job whose launcher closed it.
+    p = subprocess.Popen([sys.executable, "-m", "dtrain.common.nodeagent", "run"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    assert p.stdin is not None and p.stdout is not None
+    p.stdin.write(json.dumps(spec) + "\n")
+    p.stdin.flush()
+    out = p.stdout.read()
+    assert p.wait(timeout=60) == 0
+    p.stdin.close()
+    lines = [json.loads(x[len(CONTROL_PREFIX) :]) for x in out.splitlines() if x.startswith(CONTROL_PREFIX)]
+    return [x for x in lines if x.get("event") == resources.EVENT]
+
+
+def test_the_node_agent_prints_a_resources_line_every_interval() -> None:
+    t0 = time.time()
+    rows = agent_rows(agent_spec(0.25, 2.0))
+    wall = time.time() - t0
+    times = [r["time"] for r in rows]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    # One row every 0.25 s while the job ran (2 s of it at least; the agent's whole life bounds it).
+    assert 2.0 / 0.25 - 2 <= len(rows) <= wall / 0.25 + 1, (len(rows), wall)
+    assert all(g >= 0.24 for g in gaps) and sorted(gaps)[len(gaps) // 2] < 0.5, gaps
+    assert max(r["ranks"].get("5", {}).get("hwm", 0) for r in rows) >= 32 * MIB
+    assert all(0 <= r["cpu_pct"] <= 100 and r["mem_total"] > 0 for r in rows)
+
+
+def test_the_node_agent_samples_nothing_when_the_spec_asks_for_none() -> None:
+    spec = agent_spec(0.25, 1.0)
+    del spec["resources"]  # a launcher from before resource curves
+    assert agent_rows(spec) == []
+
+
+def test_the_ssh_launcher_and_slurms_batch_step_record_the_agents_lines(monkeypatch, tmp_path: Path) -> None:
+    from dtrain.control.events import Events, Handle
+    from dtrain.control.remote import NodeAgents
+
+    line = CONTROL_PREFIX + json.dumps({"event": resources.EVENT, **row(10.0, 64 * MIB, rank="2")})
+    ssh_run = open_store(str(tmp_path / "ssh"))
+    rec = resources.Recorder(ssh_run)
+    job = NodeAgents(None, None, "r", {}, None, events=Events(), handle=Handle(), resources=rec)  # type: ignore[arg-type]
+    job._show("h1", line)
+    rec.close()
+    assert rows_of(tmp_path / "ssh" / "resources" / "h1.jsonl")[0]["ranks"]["2"]["rss"] == 64 * MIB
+    assert runrecord.read_status(ssh_run)["peak_memory"] == {"2": {"node": "h1", "rss_peak": 64 * MIB}}
+
+    # Slurm: the node's step forwards the line with its node's name; the batch step records it.
+    said: list[str] = []
+    monkeypatch.setattr(slurmstep, "say", said.append)
+    slurmstep.forward_control(line, "s1")
+    assert said and said[0].startswith(CONTROL_PREFIX)
+    slurm_run = open_store(str(tmp_path / "slurm"))
+    rec = resources.Recorder(slurm_run)
+    assert slurmstep.record_resources(rec, said[0])
+    assert not slurmstep.record_resources(rec, CONTROL_PREFIX + json.dumps({"event": "alive", "node": "s1"}))
+    rec.close()
+    assert rows_of(tmp_path / "slurm" / "resources" / "s1.jsonl")[0]["node"] == "s1"
+    assert runrecord.read_status(slurm_run)["peak_memory"]["2"]["node"] == "s1"
