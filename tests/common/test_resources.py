@@ -13,6 +13,7 @@ import types
 from pathlib import Path
 
 import pytest
+from gpu_check import GPU_SKIP_REASON, machine_has_gpu
 from memory_holders import HOLD, MIB, hold
 
 from dtrain.common import resources, runrecord, slurmstep
@@ -277,3 +278,35 @@ def test_the_ssh_launcher_and_slurms_batch_step_record_the_agents_lines(monkeypa
     rec.close()
     assert rows_of(tmp_path / "slurm" / "resources" / "s1.jsonl")[0]["node"] == "s1"
     assert runrecord.read_status(slurm_run)["peak_memory"]["2"]["node"] == "s1"
+
+
+GPU_RANK = """
+import time, torch
+x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+y = torch.randn(4096, 4096, device="cuda")
+print("ready", flush=True)
+end = time.time() + 60
+while time.time() < end:
+    y = (y @ y).tanh_()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not machine_has_gpu(), reason=GPU_SKIP_REASON)
+def test_on_a_gpu_the_sample_has_each_gpu_and_the_ranks_gpu_memory(no_rank) -> None:
+    """The real NVML on a real GPU: a rank holding 1 GiB and keeping its GPU busy."""
+    p = subprocess.Popen([sys.executable, "-c", GPU_RANK], env={**os.environ, "RANK": "0"}, stdout=subprocess.PIPE,
+                         text=True)  # fmt: skip
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        s = resources.Sampler()
+        assert s.gpus is not None and s.gpus.nvml is not None, s.gpus.why if s.gpus else ""
+        time.sleep(1.0)
+        row = s.sample([p.pid])
+        s.close()
+    finally:
+        p.kill()
+        p.wait()
+    assert row["gpus"] and all(0 <= g["util_pct"] <= 100 and 0 < g["mem_used"] <= g["mem_total"] for g in row["gpus"])
+    assert max(g["util_pct"] for g in row["gpus"]) > 0  # the matmuls keep one busy
+    assert row["ranks"]["0"]["gpu"] >= 1 << 30  # NVML's per-process accounting: the 1 GiB tensor and more
