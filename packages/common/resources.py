@@ -10,7 +10,10 @@ Two halves:
               utilisation and memory; each rank's GPU memory, from NVML's per-process accounting).
     Recorder  where the run is recorded (the launcher; Slurm's batch step): the rows of node N appended to the
               run's resources/<N>.jsonl, and each rank's peak in status.json's `peak_memory`
-              (dtrain.common.runrecord.record_peaks) every STATUS_EVERY_S while it grows, and at the end.
+              (dtrain.common.runrecord.record_peaks) when the job has ended. Not before: a built-in's rank 0
+              rewrites status.json while it runs (its peers, its result), and two writers of one file would
+              lose each other's fields. While the job runs, the rows' own high-water marks are its peaks
+              (read_series gives them).
 
 A node's file is bounded: past MAX_ROWS rows every other row is dropped (the file rewritten once) and from then on
 only every other row is kept, so a week-long run keeps its whole span at a coarser step.
@@ -35,7 +38,6 @@ if TYPE_CHECKING:
 SAMPLE_EVERY_S = 5.0  # the default interval ([run] sample_interval, DTRAIN_SAMPLE_INTERVAL)
 RESOURCES = "resources"  # the run's folder of per-node files: resources/<node>.jsonl
 MAX_ROWS = 2000  # rows a node's file keeps (2.8 hours at 5 s before the first thinning)
-STATUS_EVERY_S = 30.0  # status.json's peaks, at most this often while they grow (and once at the end)
 REMOTE_FLUSH_S = 30.0  # a bucket's run: rows appended in batches this often (each append is two requests)
 EVENT = "resources"  # the node agent's control line: {"event": "resources", **row}
 
@@ -254,6 +256,14 @@ class SamplerThread:
 # --- the recording side -----------------------------------------------------------------------------------------
 
 
+def series_peaks(series: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each rank's peak over read_series' nodes (what status.json's peak_memory will say once the job ends)."""
+    out: dict[str, dict[str, Any]] = {}
+    for s in series.values():
+        merge_peaks(out, s.get("peaks") or {})
+    return out
+
+
 def peaks_of(row: Mapping[str, Any], node: str) -> dict[str, dict[str, Any]]:
     """Each rank's peak as one row shows it: {"<rank>": {"node", "rss_peak", "gpu_peak"?}} (bytes)."""
     out: dict[str, dict[str, Any]] = {}
@@ -298,8 +308,6 @@ class Recorder:
         self._pending: dict[str, list[dict[str, Any]]] = {}
         self._flushed_at = time.monotonic()
         self.peaks: dict[str, dict[str, Any]] = {}
-        self._peaks_grew = False
-        self._status_at = time.monotonic()
         self._closed = False
 
     def _load(self, node: str) -> None:
@@ -322,8 +330,7 @@ class Recorder:
                 return
             if node not in self._rows:
                 self._load(node)
-            if merge_peaks(self.peaks, peaks_of(row, node)):
-                self._peaks_grew = True
+            merge_peaks(self.peaks, peaks_of(row, node))
             self._seen[node] += 1
             if (self._seen[node] - 1) % self._stride[node]:
                 return  # thinned: this row is not kept (its peaks are)
@@ -353,24 +360,27 @@ class Recorder:
                 with contextlib.suppress(Exception):
                     self.run.append_bytes(resources_file(node), data)
             self._pending.clear()
-        if self._peaks_grew and (final or now - self._status_at >= STATUS_EVERY_S):
-            self._status_at, self._peaks_grew = now, False
-            from dtrain.common import runrecord
-
-            with contextlib.suppress(Exception):
-                runrecord.record_peaks(self.run, self.peaks)
 
     def close(self) -> None:
+        """The last rows, and the peaks into status.json: call it once the job has ended on every node (nothing
+        else writes status.json then), before the launcher records the end."""
         with self._lock:
-            if not self._closed:
-                self._maybe_flush(final=True)
-                self._closed = True
+            if self._closed:
+                return
+            self._closed = True
+            self._maybe_flush(final=True)
+            if self.peaks:
+                from dtrain.common import runrecord
+
+                with contextlib.suppress(Exception):
+                    runrecord.record_peaks(self.run, self.peaks)
 
 
 def read_series(run: Store, *, points: int = 0) -> dict[str, dict[str, Any]]:
     """Each node's curves from the run's resources/: {node: {"time": [...], "cpu_pct": [...], "mem_used": [...],
-    "mem_total", "tree_rss": [...], "gpu_util_pct": [[...] per GPU], "gpu_mem_used": [[...] per GPU]}}; with
-    `points`, at most that many samples a node (evenly spaced, the last one kept)."""
+    "mem_total", "tree_rss": [...], "gpu_util_pct": [[...] per GPU], "gpu_mem_used": [[...] per GPU],
+    "peaks": {"<rank>": {"node", "rss_peak", "gpu_peak"?}}}}: `peaks` over every row (a running job's peaks so far);
+    with `points`, at most that many samples a node (evenly spaced, the last one kept)."""
     out: dict[str, dict[str, Any]] = {}
     try:
         names = sorted(p for p in run.list(RESOURCES) if p.startswith(f"{RESOURCES}/") and p.endswith(".jsonl"))
@@ -386,10 +396,13 @@ def read_series(run: Store, *, points: int = 0) -> dict[str, dict[str, Any]]:
         if not rows:
             continue
         rows.sort(key=lambda r: r["time"])
+        node = name.rsplit("/", 1)[-1][: -len(".jsonl")]
+        peaks: dict[str, dict[str, Any]] = {}
+        for r in rows:
+            merge_peaks(peaks, peaks_of(r, node))
         if points and len(rows) > points:
             step = len(rows) / points
             rows = [rows[int(i * step)] for i in range(points - 1)] + [rows[-1]]
-        node = name.rsplit("/", 1)[-1][: -len(".jsonl")]
         n_gpus = max((len(r.get("gpus") or []) for r in rows), default=0)
         series: dict[str, Any] = {
             "time": [r["time"] for r in rows],
@@ -402,6 +415,7 @@ def read_series(run: Store, *, points: int = 0) -> dict[str, dict[str, Any]]:
             series["gpu_util_pct"] = [[_gpu(r, i, "util_pct") for r in rows] for i in range(n_gpus)]
             series["gpu_mem_used"] = [[_gpu(r, i, "mem_used") for r in rows] for i in range(n_gpus)]
             series["gpu_mem_total"] = [_gpu(rows[-1], i, "mem_total") for i in range(n_gpus)]
+        series["peaks"] = peaks
         out[node] = series
     return out
 

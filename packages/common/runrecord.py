@@ -8,7 +8,7 @@ status.json  {"state", "exit_code", "error", "starts", "updated", "host", "pid",
     requeued (a Slurm job that starts again by itself: a preemption, a time-limit continuation, a hang restart).
     Every write replaces the file whole (Store.write_bytes is an atomic replace), keeping the fields it does not set.
     peak_memory: each rank's peak memory, {"<rank>": {"node", "rss_peak", "gpu_peak"?}} in bytes (record_peaks,
-    from dtrain.common.resources.Recorder), kept across starts: the largest any start reached.
+    from dtrain.common.resources.Recorder once the job has ended), kept across starts: the largest any reached.
 events.jsonl  one row per event: {"time", "step", "event", "message", ...}, appended.
 
 Stops. Each stop of a run carries exactly one label, the true one: the `event` of one events.jsonl row.

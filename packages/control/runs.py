@@ -58,11 +58,12 @@ def list_runs(output: str, *, resources: bool = False) -> list[dict[str, Any]]:
     from each run's resources/ (what `dtrain runs --json` shows; the table reads none)."""
     rows = [{k: row[k] for k in LIST_KEYS} for row in runs_table(output)]
     if resources:
-        from dtrain.common.resources import read_series
+        from dtrain.common.resources import read_series, series_peaks
 
         root = open_store(output)
         for row in rows:
             row["resources"] = read_series(root.child(row["run_id"]), points=SERIES_POINTS)
+            row["peak_memory"] = row["peak_memory"] or series_peaks(row["resources"])  # a running job's, so far
     return rows
 
 
@@ -144,7 +145,9 @@ def _summary(root: Store, name: str) -> dict[str, Any]:
         "error": status.get("error"),
         "skipped_metric_lines": len(metrics.skipped),
         "stragglers": current_stragglers(run, state),
-        "peak_memory": status.get("peak_memory") or {},  # each rank's (dtrain.common.runrecord.record_peaks)
+        # Each rank's, recorded when the job ended (dtrain.common.runrecord.record_peaks); a running job's are in
+        # its resources/ rows (list_runs(resources=True), run_detail).
+        "peak_memory": status.get("peak_memory") or {},
     }
     with _summaries_lock:
         _summaries[run.url] = _Cached(status_bytes, row)
@@ -419,17 +422,21 @@ def run_summary(output: str, run_id: str) -> dict[str, Any]:
 
 def run_detail(output: str, run_id: str) -> dict[str, Any]:
     """Everything about one run but its metrics, events and logs (read those as they grow): its table
-    row, config.json, status.json, checkpoints and its nodes' resource curves."""
-    from dtrain.common.resources import read_series
+    row, config.json, status.json, checkpoints, its nodes' resource curves and each rank's peak memory (status.json's
+    once the job has ended, its resources/ rows' so far while it runs)."""
+    from dtrain.common.resources import read_series, series_peaks
 
     run = open_run(output, run_id)
+    status = read_json(run, "status.json") or {}
+    series = read_series(run, points=SERIES_POINTS)
     return {
         "run_id": run_id,
         "summary": _summary(open_store(output), run_id),
         "config": read_json(run, "config.json") or {},
-        "status": read_json(run, "status.json") or {},
+        "status": status,
         "checkpoints": checkpoints(run),
-        "resources": read_series(run, points=SERIES_POINTS),
+        "resources": series,
+        "peak_memory": status.get("peak_memory") or series_peaks(series),
         "url": run.url,
     }
 

@@ -159,7 +159,7 @@ def run_page(request: Request, run_id: str) -> HTMLResponse:
         events=events.rows,
         hangs=runs.hang_stacks(runs.open_run(output, run_id)),
         curves=resource_curves(detail["resources"]),
-        peaks=sorted((detail["status"].get("peak_memory") or {}).items(), key=lambda kv: _rank_key(kv[0])),
+        peaks=sorted(detail["peak_memory"].items(), key=lambda kv: _rank_key(kv[0])),
         curve_size=(CURVE_W, CURVE_H),
         done=detail["summary"]["status"] in runs.DONE_STATES,
     )

@@ -115,6 +115,23 @@ def test_peaks_are_the_largest_of_every_start_and_node(tmp_path: Path) -> None:
     assert [r["time"] for r in rows_of(tmp_path / "run" / "resources" / "n1.jsonl")] == [1.0, 5.0]
 
 
+def test_status_json_is_left_alone_while_the_job_runs(tmp_path: Path) -> None:
+    """A built-in's rank 0 rewrites status.json as it runs: the recorder writes it only at the end (close), so no
+    field either writes is lost; meanwhile the rows' own high-water marks are the peaks so far."""
+    run = open_store(str(tmp_path / "run"))
+    runrecord.record_start(run, starts=1, host="h")
+    before = (tmp_path / "run" / "status.json").read_bytes()
+    rec = resources.Recorder(run)
+    rec.add("n1", row(1.0, 10 * MIB))
+    rec.add("n1", row(2.0, 30 * MIB))
+    rec.add("n2", row(2.0, 20 * MIB, rank="1"))
+    assert (tmp_path / "run" / "status.json").read_bytes() == before
+    so_far = resources.series_peaks(resources.read_series(run))
+    assert so_far == {"0": {"node": "n1", "rss_peak": 30 * MIB}, "1": {"node": "n2", "rss_peak": 20 * MIB}}
+    rec.close()
+    assert runrecord.read_status(run)["peak_memory"] == so_far
+
+
 def test_read_series_gives_each_nodes_curves_and_spaces_a_long_one_out(tmp_path: Path) -> None:
     run = open_store(str(tmp_path / "run"))
     rec = resources.Recorder(run)

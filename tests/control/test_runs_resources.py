@@ -16,7 +16,7 @@ from dtrain.control import runs
 MIB = 1 << 20
 
 
-def recorded_run(out: Path, name: str, rows: int) -> None:
+def recorded_run(out: Path, name: str, rows: int, *, ended: bool = True) -> None:
     run = out / name
     run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"workload": "t", "created": 1000.0, "world_size": 2}))
@@ -28,8 +28,9 @@ def recorded_run(out: Path, name: str, rows: int) -> None:
             ranks = {rank: {"rss": (100 + i) * MIB, "hwm": (100 + i) * MIB}}
             rec.add(node, {"time": 1000.0 + i, "cpu_pct": float(i % 100), "mem_used": (1 + i) * MIB,
                            "mem_total": 8 << 30, "tree_rss": (100 + i) * MIB, "ranks": ranks})  # fmt: skip
-    rec.close()
-    runrecord.record_end(store, 0)
+    if ended:
+        rec.close()
+        runrecord.record_end(store, 0)
 
 
 def test_runs_json_has_each_ranks_peak_and_each_nodes_compact_series(tmp_path: Path) -> None:
@@ -57,3 +58,16 @@ def test_the_runs_table_reads_no_curves(tmp_path: Path, monkeypatch) -> None:
     (row,) = runs.list_runs(str(out))
     assert "resources" not in row and read == []
     assert runs.list_runs(str(out), resources=True)[0]["resources"] == {} and len(read) == 1
+
+
+def test_a_running_runs_peaks_so_far_come_from_its_rows(tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    recorded_run(out, "t-live", rows=5, ended=False)
+    status = json.loads((out / "t-live" / "status.json").read_text())
+    assert status["state"] == "running" and "peak_memory" not in status
+    (row,) = runs.list_runs(str(out), resources=True)
+    assert row["peak_memory"] == {
+        "0": {"node": "n1", "rss_peak": 104 * MIB},
+        "1": {"node": "n2", "rss_peak": 104 * MIB},
+    }
+    assert runs.run_detail(str(out), "t-live")["peak_memory"] == row["peak_memory"]
