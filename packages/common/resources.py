@@ -294,7 +294,8 @@ def merge_peaks(into: dict[str, dict[str, Any]], more: Mapping[str, Mapping[str,
 
 class Recorder:
     """Rows from the nodes into the run (see the module docstring). `add` may be called from several threads;
-    `close` (before the launcher records the run's end) writes the last rows and the final peaks."""
+    `close` (once the job has ended, before the launcher records the end) writes the last rows and the peaks.
+    Only counts are kept in memory: a thinning reads the node's file back once."""
 
     def __init__(self, run: Store, *, max_rows: int = MAX_ROWS, flush_s: float | None = None) -> None:
         from dtrain.common.storage import is_remote
@@ -302,7 +303,7 @@ class Recorder:
         self.run, self.max_rows = run, max_rows
         self.flush_s = (REMOTE_FLUSH_S if is_remote(run.url) else 0.0) if flush_s is None else flush_s
         self._lock = threading.Lock()
-        self._rows: dict[str, list[dict[str, Any]]] = {}  # node -> the rows its file holds (and pending ones)
+        self._count: dict[str, int] = {}  # node -> rows its file holds, pending ones included
         self._stride: dict[str, int] = {}  # node -> keep one row in this many
         self._seen: dict[str, int] = {}  # node -> rows offered since the last thinning
         self._pending: dict[str, list[dict[str, Any]]] = {}
@@ -310,56 +311,49 @@ class Recorder:
         self.peaks: dict[str, dict[str, Any]] = {}
         self._closed = False
 
-    def _load(self, node: str) -> None:
-        """The node's file as an earlier start of the run left it (a resumed run's curve goes on)."""
-        rows: list[dict[str, Any]] = []
-        with contextlib.suppress(Exception):
-            for line in self.run.read_bytes(resources_file(node)).decode(errors="replace").splitlines():
-                with contextlib.suppress(ValueError):
-                    if isinstance(row := json.loads(line), dict):
-                        rows.append(row)
-        self._rows[node], self._stride[node], self._seen[node] = rows, 1, 0
-        while len(rows) >= self.max_rows:  # a longer file (another MAX_ROWS): thin it as if grown here
-            rows[:] = rows[::2]
+    def _start(self, node: str) -> None:
+        """The node's file as an earlier start of the run left it: a resumed run's curve goes on (thinned as if it
+        had grown here)."""
+        self._count[node], self._stride[node], self._seen[node] = len(read_rows(self.run, resources_file(node))), 1, 0
+        if self._count[node] >= self.max_rows:
+            self._thin(node)
+
+    def _thin(self, node: str) -> None:
+        """Every other row of the node's file dropped (until it is under max_rows); later rows kept as sparsely."""
+        self._flush(node)
+        rows = read_rows(self.run, resources_file(node))
+        while len(rows) >= self.max_rows:
+            rows = rows[::2]
             self._stride[node] *= 2
+        self._count[node], self._seen[node] = len(rows), 0
+        with contextlib.suppress(Exception):  # best effort: curves never fail a run
+            self.run.write_bytes(resources_file(node), "".join(json.dumps(r) + "\n" for r in rows).encode())
 
     def add(self, node: str, row: Mapping[str, Any]) -> None:
         row = {**row, "node": node}
         with self._lock:
             if self._closed:
                 return
-            if node not in self._rows:
-                self._load(node)
+            if node not in self._count:
+                self._start(node)
             merge_peaks(self.peaks, peaks_of(row, node))
             self._seen[node] += 1
             if (self._seen[node] - 1) % self._stride[node]:
                 return  # thinned: this row is not kept (its peaks are)
-            rows = self._rows[node]
-            rows.append(row)
-            if len(rows) >= self.max_rows:
-                rows[:] = rows[::2]
-                self._stride[node] *= 2
-                self._seen[node] = 0
-                self._pending.pop(node, None)
-                self._rewrite(node)
-            else:
-                self._pending.setdefault(node, []).append(row)
-            self._maybe_flush()
+            self._pending.setdefault(node, []).append(row)
+            self._count[node] += 1
+            if self._count[node] >= self.max_rows:
+                self._thin(node)
+            elif time.monotonic() - self._flushed_at >= self.flush_s:
+                self._flushed_at = time.monotonic()
+                for name in list(self._pending):
+                    self._flush(name)
 
-    def _rewrite(self, node: str) -> None:
-        data = "".join(json.dumps(r) + "\n" for r in self._rows[node]).encode()
-        with contextlib.suppress(Exception):  # best effort: curves never fail a run
-            self.run.write_bytes(resources_file(node), data)
-
-    def _maybe_flush(self, *, final: bool = False) -> None:
-        now = time.monotonic()
-        if final or now - self._flushed_at >= self.flush_s:
-            self._flushed_at = now
-            for node, rows in self._pending.items():
-                data = "".join(json.dumps(r) + "\n" for r in rows).encode()
-                with contextlib.suppress(Exception):
-                    self.run.append_bytes(resources_file(node), data)
-            self._pending.clear()
+    def _flush(self, node: str) -> None:
+        rows = self._pending.pop(node, [])
+        if rows:
+            with contextlib.suppress(Exception):
+                self.run.append_bytes(resources_file(node), "".join(json.dumps(r) + "\n" for r in rows).encode())
 
     def close(self) -> None:
         """The last rows, and the peaks into status.json: call it once the job has ended on every node (nothing
@@ -368,12 +362,28 @@ class Recorder:
             if self._closed:
                 return
             self._closed = True
-            self._maybe_flush(final=True)
+            for name in list(self._pending):
+                self._flush(name)
             if self.peaks:
                 from dtrain.common import runrecord
 
                 with contextlib.suppress(Exception):
                     runrecord.record_peaks(self.run, self.peaks)
+
+
+def read_rows(run: Store, rel: str) -> list[dict[str, Any]]:
+    """The rows of a node's file (`rel`: resources_file(node)), in file order; [] without one. A line that is not
+    a JSON object (a torn last line) is skipped."""
+    rows: list[dict[str, Any]] = []
+    try:
+        text = run.read_bytes(rel).decode(errors="replace")
+    except Exception:  # noqa: BLE001 - no file yet, an unreadable store: no rows
+        return rows
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            if isinstance(row := json.loads(line), dict):
+                rows.append(row)
+    return rows
 
 
 def read_series(run: Store, *, points: int = 0) -> dict[str, dict[str, Any]]:
@@ -387,12 +397,7 @@ def read_series(run: Store, *, points: int = 0) -> dict[str, dict[str, Any]]:
     except Exception:  # noqa: BLE001 - no folder, an unreadable store: no curves
         return out
     for name in names:
-        rows = []
-        with contextlib.suppress(Exception):
-            for line in run.read_bytes(name).decode(errors="replace").splitlines():
-                with contextlib.suppress(ValueError):
-                    if isinstance(r := json.loads(line), dict) and isinstance(r.get("time"), (int, float)):
-                        rows.append(r)
+        rows = [r for r in read_rows(run, name) if isinstance(r.get("time"), (int, float))]
         if not rows:
             continue
         rows.sort(key=lambda r: r["time"])

@@ -92,6 +92,19 @@ def test_the_recorder_keeps_a_bounded_file_over_the_whole_span(tmp_path: Path) -
     assert peaks == {"0": {"node": "n1", "rss_peak": 100 * MIB}}
 
 
+def test_a_resumed_runs_file_over_the_bound_is_thinned_in_the_run(tmp_path: Path) -> None:
+    run = open_store(str(tmp_path / "run"))
+    first = resources.Recorder(run)
+    for i in range(20):
+        first.add("n1", row(float(i), MIB))
+    first.close()
+    again = resources.Recorder(run, max_rows=8)  # a later start, with a smaller bound than the file has
+    again.add("n1", row(20.0, MIB))
+    again.close()
+    times = [r["time"] for r in rows_of(tmp_path / "run" / "resources" / "n1.jsonl")]
+    assert len(times) < 8 and times[0] == 0.0 and times == sorted(times), times
+
+
 def test_peaks_are_the_largest_of_every_start_and_node(tmp_path: Path) -> None:
     run = open_store(str(tmp_path / "run"))
     runrecord.record_start(run, starts=1, host="h")
