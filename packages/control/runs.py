@@ -61,9 +61,19 @@ def list_runs(output: str, *, resources: bool = False) -> list[dict[str, Any]]:
         from dtrain.common.resources import read_series, series_peaks
 
         root = open_store(output)
-        for row in rows:
-            row["resources"] = read_series(root.child(row["run_id"]), points=SERIES_POINTS)
-            row["peak_memory"] = row["peak_memory"] or series_peaks(row["resources"])  # a running job's, so far
+
+        def series(run_id: str) -> dict[str, Any]:
+            return read_series(root.child(run_id), points=SERIES_POINTS)
+
+        ids = [row["run_id"] for row in rows]
+        if is_remote(root.url) and len(ids) > 1:  # a listing and a read a node for each run: HTTP round trips
+            with concurrent.futures.ThreadPoolExecutor(REMOTE_READERS) as pool:
+                found = list(pool.map(series, ids))
+        else:
+            found = [series(i) for i in ids]
+        for row, curves in zip(rows, found, strict=True):
+            row["resources"] = curves
+            row["peak_memory"] = row["peak_memory"] or series_peaks(curves)  # a running job's, so far
     return rows
 
 
