@@ -340,3 +340,26 @@ def test_on_a_gpu_the_sample_has_each_gpu_and_the_ranks_gpu_memory(no_rank) -> N
     assert row["gpus"] and all(0 <= g["util_pct"] <= 100 and 0 < g["mem_used"] <= g["mem_total"] for g in row["gpus"])
     assert max(g["util_pct"] for g in row["gpus"]) > 0  # the matmuls keep one busy
     assert row["ranks"]["0"]["gpu"] >= 1 << 30  # NVML's per-process accounting: the 1 GiB tensor and more
+
+
+def test_a_buckets_run_gets_its_rows_in_batches_and_thinned(gcs_emulator: str, monkeypatch) -> None:
+    """gs:// (gcp-storage-emulator): the rows go out every REMOTE_FLUSH_S and at the end, a thinning rewrites the
+    object, and the curves and the peaks read back."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
+    storage.Client(project="p", credentials=AnonymousCredentials()).create_bucket("curves")
+    run = open_store("gs://curves/runs/t-1")
+    rec = resources.Recorder(run, max_rows=6)
+    assert rec.flush_s == resources.REMOTE_FLUSH_S
+    for i in range(3):
+        rec.add("n1", row(float(i), (i + 1) * MIB))
+    assert not run.exists("resources/n1.jsonl")  # batched: nothing sent yet
+    for i in range(3, 10):
+        rec.add("n1", row(float(i), (i + 1) * MIB))
+    rec.close()
+    times = [r["time"] for r in resources.read_rows(run, "resources/n1.jsonl")]
+    assert len(times) < 6 and times[0] == 0.0 and times == sorted(times), times
+    assert resources.read_series(run)["n1"]["time"] == times
+    assert runrecord.read_status(run)["peak_memory"] == {"0": {"node": "n1", "rss_peak": 10 * MIB}}
