@@ -7,9 +7,9 @@ second).
 
 It starts --procs processes holding 8 MiB each (--ranks of them with RANK set, as torchrun's workers), then
 times --calls calls of each side in turn, --rounds times (every other round in reverse order, so the
-machine's drift favours neither), by this process's CPU time (time.process_time: what the agent pays, not
-what the machine's other load adds), and prints the medians: one sample, one tree walk, and what sampling
-every 5 s (the default) adds to the agent's own polling, as a share of one core and as a ratio.
+machine's drift favours neither), by the calling thread's CPU time (time.thread_time: what the agent pays,
+not what the machine's other load adds), and prints the medians: one sample, one tree walk, and what
+sampling every 5 s (the default) adds to the agent's own polling, as a share of one core and as a ratio.
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ def start_tree(procs: int, ranks: int) -> subprocess.Popen:
 
 
 def cpu_per_call(fn, calls: int) -> float:
-    t0 = time.process_time()
+    t0 = time.thread_time()
     for _ in range(calls):
         fn()
-    return (time.process_time() - t0) / calls
+    return (time.thread_time() - t0) / calls
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ only every other row is kept, so a week-long run keeps its whole span at a coars
 
 A row: {"time", "node", "cpu_pct", "mem_used", "mem_total", "tree_rss", "ranks": {"<rank>": {"rss", "hwm",
 "gpu"?}}, "gpus": [{"index", "util_pct", "mem_used", "mem_total"}], "sample_ms"}: bytes, and the sampler's own
-CPU time for the row (process time, milliseconds).
+CPU time for the row (its thread's CPU time, milliseconds).
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ class Sampler:
         return self._ranks[pid]
 
     def sample(self, pids: Iterable[int]) -> dict[str, Any]:
-        spent = time.process_time()
+        spent = time.thread_time()
         busy, total = cpu_times()
         d_busy, d_total = busy - self._cpu[0], total - self._cpu[1]
         self._cpu = (busy, total)
@@ -205,7 +205,7 @@ class Sampler:
         }
         if gpus:
             row["gpus"] = gpus
-        row["sample_ms"] = round((time.process_time() - spent) * 1000, 3)
+        row["sample_ms"] = round((time.thread_time() - spent) * 1000, 3)
         return row
 
     def close(self) -> None:
