@@ -371,6 +371,20 @@ class Recorder:
                     runrecord.record_peaks(self.run, self.peaks)
 
 
+def publish(staged: Store, run: Store) -> None:
+    """A start's rows and peaks, kept by a Recorder over `staged` (a folder of the node, where the run's store
+    cannot be reached: dtrain.common.slurmstep.ImageResources), added to the run: each node's rows appended to
+    its file, the peaks merged into status.json."""
+    from dtrain.common import runrecord
+
+    for name in staged.list(RESOURCES):
+        if name.startswith(f"{RESOURCES}/") and name.endswith(".jsonl"):
+            run.append_bytes(name, staged.read_bytes(name))
+    peaks = (runrecord.read_status(staged) or {}).get(runrecord.PEAK_MEMORY)
+    if peaks:
+        runrecord.record_peaks(run, peaks)
+
+
 def read_rows(run: Store, rel: str) -> list[dict[str, Any]]:
     """The rows of a node's file (`rel`: resources_file(node)), in file order; [] without one. A line that is not
     a JSON object (a torn last line) is skipped."""

@@ -666,17 +666,50 @@ def record_run(
                 runrecord.update_status(run, status, drop=drop)
 
 
+RESOURCES_STAGING = "resources-staging"  # container mode: this start's rows, in the job's directory, until its end
+
+
 def resources_recorder(job: dict[str, Any]) -> Any:
-    """Where the agents' "resources" lines go (dtrain.common.resources.Recorder): the run, opened here; None in
-    container mode (the node has no storage libraries: the curves are not recorded) or where it cannot be."""
-    if job.get("image") and not os.environ.get(IN_IMAGE_ENV):
-        return None
+    """Where the agents' "resources" lines go (dtrain.common.resources.Recorder): the run, opened here. In container
+    mode the node has no storage libraries: the rows wait in the job's directory, and at the start's end one
+    container adds them to the run (ImageResources). None where the run cannot be opened."""
     from dtrain.common.resources import Recorder
     from dtrain.common.storage import open_store
 
+    if job.get("image") and not os.environ.get(IN_IMAGE_ENV):
+        return ImageResources(job)
     with contextlib.suppress(Exception), _environ(job_env(job)):
         return Recorder(open_store(job["run_url"]))
     return None
+
+
+class ImageResources:
+    """The batch step's Recorder in container mode: rows and peaks kept in RESOURCES_STAGING (a Recorder over a
+    local folder, bounded as the run's files are), published to the run by one `slurmstep resources` in the job's
+    image when the start ends (dtrain.common.resources.publish: rows appended, peaks merged), not a container
+    every few seconds."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        import shutil
+
+        from dtrain.common.resources import Recorder
+        from dtrain.common.storage import open_store
+
+        self.job, self.dir = job, Path(RESOURCES_STAGING)
+        shutil.rmtree(self.dir, ignore_errors=True)  # an earlier start's that never got to its end
+        self.recorder = Recorder(open_store(str(self.dir)), flush_s=0.0)
+
+    def add(self, node: str, row: dict[str, Any]) -> None:
+        self.recorder.add(node, row)
+
+    def close(self) -> None:
+        import shutil
+
+        self.recorder.close()
+        if any(self.dir.glob("resources/*.jsonl")):
+            with contextlib.suppress(Exception):  # best effort: curves never fail a job
+                in_image(self.job, ["resources", "job.json", str(self.dir.resolve())], capture=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def record_resources(recorder: Any, line: str) -> bool:
@@ -1142,6 +1175,13 @@ def main(argv: list[str] | None = None) -> int:
         what = json.loads(Path(args[2]).read_text())
         record_run(read_job(args[1]), files=what.get("files"), events=what.get("events"), status=what.get("status"),
                    drop=tuple(what.get("drop") or ()))  # fmt: skip
+        return 0
+    if args[:1] == ["resources"] and len(args) == 3:  # ImageResources.close, in the job's image
+        from dtrain.common.resources import publish
+        from dtrain.common.storage import open_store
+
+        with _environ(job_env(job := read_job(args[1]))):
+            publish(open_store(args[2]), open_store(job["run_url"]))
         return 0
     if args[:1] == ["ended"] and len(args) == 4:  # program_ended, in the job's image
         program_ended(read_job(args[1]), int(args[2]), requeued=args[3] == "1")

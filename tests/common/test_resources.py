@@ -363,3 +363,36 @@ def test_a_buckets_run_gets_its_rows_in_batches_and_thinned(gcs_emulator: str, m
     assert len(times) < 6 and times[0] == 0.0 and times == sorted(times), times
     assert resources.read_series(run)["n1"]["time"] == times
     assert runrecord.read_status(run)["peak_memory"] == {"0": {"node": "n1", "rss_peak": 10 * MIB}}
+
+
+def test_a_slurm_job_in_an_image_publishes_each_starts_rows_and_peaks_at_its_end(monkeypatch, tmp_path: Path) -> None:
+    """Container mode: the batch step's node has no storage libraries, so the rows wait in the job's directory and
+    one `slurmstep resources` in the job's image (run here in-process: no Docker) adds them to the run per start."""
+    job_dir, run_dir = tmp_path / "job", tmp_path / "runs" / "r"
+    job_dir.mkdir()
+    job = {"image": "img:1", "run_url": str(run_dir), "specs": {"*": {"env": {}}}}
+    (job_dir / "job.json").write_text(json.dumps(job))
+    monkeypatch.chdir(job_dir)
+    containers: list[list[str]] = []
+
+    def in_image(job: dict, args: list[str], *, capture: bool = False) -> None:
+        containers.append(args)
+        monkeypatch.setenv(slurmstep.IN_IMAGE_ENV, "1")
+        assert slurmstep.main(args) == 0
+        monkeypatch.delenv(slurmstep.IN_IMAGE_ENV)
+
+    monkeypatch.setattr(slurmstep, "in_image", in_image)
+    run = open_store(str(run_dir))
+    for start, (t, rss) in enumerate(((1.0, 40 * MIB), (9.0, 30 * MIB))):
+        runrecord.record_start(run, starts=start + 1, host="b")
+        rec = slurmstep.resources_recorder(job)
+        assert isinstance(rec, slurmstep.ImageResources)
+        for i in range(3):
+            rec.add("s1", row(t + i, rss))
+        # Nothing reaches the run while the start runs.
+        assert len(resources.read_rows(run, "resources/s1.jsonl")) == 3 * start
+        rec.close()
+        assert not (job_dir / slurmstep.RESOURCES_STAGING).exists()
+    assert [a[0] for a in containers] == ["resources", "resources"]  # one container a start, not one a row
+    assert [r["time"] for r in rows_of(run_dir / "resources" / "s1.jsonl")] == [1.0, 2.0, 3.0, 9.0, 10.0, 11.0]
+    assert runrecord.read_status(run)["peak_memory"] == {"0": {"node": "s1", "rss_peak": 40 * MIB}}
