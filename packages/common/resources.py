@@ -297,10 +297,13 @@ class Recorder:
     `close` (once the job has ended, before the launcher records the end) writes the last rows and the peaks.
     Only counts are kept in memory: a thinning reads the node's file back once."""
 
-    def __init__(self, run: Store, *, max_rows: int = MAX_ROWS, flush_s: float | None = None) -> None:
+    def __init__(
+        self, run: Store, *, max_rows: int = MAX_ROWS, flush_s: float | None = None, staging: bool = False
+    ) -> None:
+        """`staging`: `run` is a folder that holds rows for `publish` (which makes the run's checks), not a run."""
         from dtrain.common.storage import is_remote
 
-        self.run, self.max_rows = run, max_rows
+        self.run, self.max_rows, self.staging = run, max_rows, staging
         self.flush_s = (REMOTE_FLUSH_S if is_remote(run.url) else 0.0) if flush_s is None else flush_s
         self._lock = threading.Lock()
         self._count: dict[str, int] = {}  # node -> rows its file holds, pending ones included
@@ -364,11 +367,28 @@ class Recorder:
             self._closed = True
             for name in list(self._pending):
                 self._flush(name)
+            if not self.staging and not discard_unmade(self.run):
+                return
             if self.peaks:
                 from dtrain.common import runrecord
 
                 with contextlib.suppress(Exception):
                     runrecord.record_peaks(self.run, self.peaks)
+
+
+def discard_unmade(run: Store) -> bool:
+    """False, with the rows removed, for a run that was never made or was removed while the job ran (no
+    config.json: a built-in refusing its input deletes its run), so the curves leave no debris; True otherwise."""
+    try:
+        if run.exists("config.json"):
+            return True
+        if all(name.startswith(f"{RESOURCES}/") for name in run.list("")):
+            run.delete("")  # nothing but the rows: the run's folder goes with them
+        else:
+            run.delete(RESOURCES)
+    except Exception:  # noqa: BLE001 - best effort, as every write of the curves
+        pass
+    return False
 
 
 def publish(staged: Store, run: Store) -> None:
@@ -377,6 +397,8 @@ def publish(staged: Store, run: Store) -> None:
     its file, the peaks merged into status.json."""
     from dtrain.common import runrecord
 
+    if not run.exists("config.json"):  # the run was never made, or removed for bad input: nothing to add
+        return
     for name in staged.list(RESOURCES):
         if name.startswith(f"{RESOURCES}/") and name.endswith(".jsonl"):
             run.append_bytes(name, staged.read_bytes(name))

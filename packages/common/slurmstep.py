@@ -697,7 +697,7 @@ class ImageResources:
 
         self.job, self.dir = job, Path(RESOURCES_STAGING)
         shutil.rmtree(self.dir, ignore_errors=True)  # an earlier start's that never got to its end
-        self.recorder = Recorder(open_store(str(self.dir)), flush_s=0.0)
+        self.recorder = Recorder(open_store(str(self.dir)), flush_s=0.0, staging=True)
 
     def add(self, node: str, row: dict[str, Any]) -> None:
         self.recorder.add(node, row)

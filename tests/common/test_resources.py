@@ -18,7 +18,7 @@ from memory_holders import HOLD, MIB, hold
 
 from dtrain.common import resources, runrecord, slurmstep
 from dtrain.common.nodeagent import CONTROL_PREFIX
-from dtrain.common.storage import open_store
+from dtrain.common.storage import Store, open_store
 
 
 @pytest.fixture
@@ -65,6 +65,13 @@ def test_a_ranks_own_children_are_not_ranks(no_rank) -> None:
         parent.wait()
 
 
+def made_run(url: str) -> Store:
+    """A run's store with its config.json (what a launcher or a built-in writes first): a run the curves keep."""
+    run = open_store(url)
+    run.write_bytes("config.json", b'{"workload": "t"}')
+    return run
+
+
 def row(t: float, rss: int, *, rank: str = "0", gpu: int | None = None) -> dict:
     r = {"rss": rss, "hwm": rss}
     if gpu is not None:
@@ -77,7 +84,7 @@ def rows_of(path: Path) -> list[dict]:
 
 
 def test_the_recorder_keeps_a_bounded_file_over_the_whole_span(tmp_path: Path) -> None:
-    run = open_store(str(tmp_path / "run"))
+    run = made_run(str(tmp_path / "run"))
     rec = resources.Recorder(run, max_rows=10)
     for i in range(100):
         rec.add("n1", row(1000.0 + i, (i + 1) * MIB))
@@ -92,8 +99,25 @@ def test_the_recorder_keeps_a_bounded_file_over_the_whole_span(tmp_path: Path) -
     assert peaks == {"0": {"node": "n1", "rss_peak": 100 * MIB}}
 
 
+def test_a_run_that_was_never_made_or_was_removed_keeps_no_curves(tmp_path: Path) -> None:
+    """A built-in that refuses its input deletes its run while the sampler goes on: the rows are not left behind,
+    and no status.json is made for the peaks."""
+    gone = open_store(str(tmp_path / "gone"))
+    rec = resources.Recorder(gone)
+    rec.add("n1", row(1.0, MIB))
+    rec.close()
+    assert not (tmp_path / "gone").exists()
+    started = open_store(str(tmp_path / "started"))  # record_start's status.json, and no config.json
+    before = runrecord.record_start(started, starts=1, host="h")
+    rec = resources.Recorder(started)
+    rec.add("n1", row(1.0, MIB))
+    rec.close()
+    assert before is None and [p.name for p in (tmp_path / "started").iterdir()] == ["status.json"]
+    assert "peak_memory" not in runrecord.read_status(started)
+
+
 def test_a_resumed_runs_file_over_the_bound_is_thinned_in_the_run(tmp_path: Path) -> None:
-    run = open_store(str(tmp_path / "run"))
+    run = made_run(str(tmp_path / "run"))
     first = resources.Recorder(run)
     for i in range(20):
         first.add("n1", row(float(i), MIB))
@@ -106,7 +130,7 @@ def test_a_resumed_runs_file_over_the_bound_is_thinned_in_the_run(tmp_path: Path
 
 
 def test_peaks_are_the_largest_of_every_start_and_node(tmp_path: Path) -> None:
-    run = open_store(str(tmp_path / "run"))
+    run = made_run(str(tmp_path / "run"))
     runrecord.record_start(run, starts=1, host="h")
     first = resources.Recorder(run)
     first.add("n1", row(1.0, 300 * MIB, gpu=2 << 30))
@@ -131,7 +155,7 @@ def test_peaks_are_the_largest_of_every_start_and_node(tmp_path: Path) -> None:
 def test_status_json_is_left_alone_while_the_job_runs(tmp_path: Path) -> None:
     """A built-in's rank 0 rewrites status.json as it runs: the recorder writes it only at the end (close), so no
     field either writes is lost; meanwhile the rows' own high-water marks are the peaks so far."""
-    run = open_store(str(tmp_path / "run"))
+    run = made_run(str(tmp_path / "run"))
     runrecord.record_start(run, starts=1, host="h")
     before = (tmp_path / "run" / "status.json").read_bytes()
     rec = resources.Recorder(run)
@@ -146,7 +170,7 @@ def test_status_json_is_left_alone_while_the_job_runs(tmp_path: Path) -> None:
 
 
 def test_read_series_gives_each_nodes_curves_and_spaces_a_long_one_out(tmp_path: Path) -> None:
-    run = open_store(str(tmp_path / "run"))
+    run = made_run(str(tmp_path / "run"))
     rec = resources.Recorder(run)
     for i in range(50):
         r = row(100.0 + i, MIB)
@@ -236,7 +260,7 @@ def test_gpu_rows_and_each_ranks_gpu_memory_reach_the_run(no_rank, monkeypatch, 
         {"index": 1, "mem_used": 2 << 30, "mem_total": 80 << 30},  # no utilisation where NVML has none
     ]
     assert r["ranks"]["0"]["gpu"] == 3 << 30
-    run = open_store(str(tmp_path / "run"))
+    run = made_run(str(tmp_path / "run"))
     rec = resources.Recorder(run)
     rec.add("g1", r)
     rec.close()
@@ -288,7 +312,7 @@ def test_the_ssh_launcher_and_slurms_batch_step_record_the_agents_lines(monkeypa
     from dtrain.control.remote import NodeAgents
 
     line = CONTROL_PREFIX + json.dumps({"event": resources.EVENT, **row(10.0, 64 * MIB, rank="2")})
-    ssh_run = open_store(str(tmp_path / "ssh"))
+    ssh_run = made_run(str(tmp_path / "ssh"))
     rec = resources.Recorder(ssh_run)
     job = NodeAgents(None, None, "r", {}, None, events=Events(), handle=Handle(), resources=rec)  # type: ignore[arg-type]
     job._show("h1", line)
@@ -301,7 +325,7 @@ def test_the_ssh_launcher_and_slurms_batch_step_record_the_agents_lines(monkeypa
     monkeypatch.setattr(slurmstep, "say", said.append)
     slurmstep.forward_control(line, "s1")
     assert said and said[0].startswith(CONTROL_PREFIX)
-    slurm_run = open_store(str(tmp_path / "slurm"))
+    slurm_run = made_run(str(tmp_path / "slurm"))
     rec = resources.Recorder(slurm_run)
     assert slurmstep.record_resources(rec, said[0])
     assert not slurmstep.record_resources(rec, CONTROL_PREFIX + json.dumps({"event": "alive", "node": "s1"}))
@@ -350,7 +374,7 @@ def test_a_buckets_run_gets_its_rows_in_batches_and_thinned(gcs_emulator: str, m
 
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_emulator)
     storage.Client(project="p", credentials=AnonymousCredentials()).create_bucket("curves")
-    run = open_store("gs://curves/runs/t-1")
+    run = made_run("gs://curves/runs/t-1")
     rec = resources.Recorder(run, max_rows=6)
     assert rec.flush_s == resources.REMOTE_FLUSH_S
     for i in range(3):
@@ -382,7 +406,7 @@ def test_a_slurm_job_in_an_image_publishes_each_starts_rows_and_peaks_at_its_end
         monkeypatch.delenv(slurmstep.IN_IMAGE_ENV)
 
     monkeypatch.setattr(slurmstep, "in_image", in_image)
-    run = open_store(str(run_dir))
+    run = made_run(str(run_dir))
     for start, (t, rss) in enumerate(((1.0, 40 * MIB), (9.0, 30 * MIB))):
         runrecord.record_start(run, starts=start + 1, host="b")
         rec = slurmstep.resources_recorder(job)
