@@ -216,7 +216,12 @@ class Sampler:
 class SamplerThread:
     """A Sampler run every `interval_s` on a thread of its own, each row handed to `emit` (a control line, a
     Recorder); `pids()` gives the job's process tree at that moment. A failing sampler says so once and stops:
-    it never takes the job down with it."""
+    it never takes the job down with it.
+
+    The Sampler is made by `start`, in the caller's thread: its imports (pynvml, ctypes) must not run on the
+    thread while the caller forks. A thread importing a module at the moment of a fork leaves the module's
+    lock held in the child, and a `preexec_fn` that imports (dtrain.common.procs.dies_with_parent imports
+    ctypes) then waits for it forever: the launcher on this machine hung so before the job ever started."""
 
     def __init__(
         self, interval_s: float, pids: Callable[[], list[int]], emit: Callable[[dict[str, Any]], None],
@@ -225,18 +230,21 @@ class SamplerThread:
         self.interval_s, self.pids, self.emit, self.warn = interval_s, pids, emit, warn
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="resources", daemon=True)
+        self.sampler: Sampler | None = None
 
     def start(self) -> SamplerThread:
         if self.interval_s > 0:
+            try:
+                self.sampler = Sampler()
+            except Exception as e:  # noqa: BLE001 - no /proc (not Linux): no curves, the job runs on
+                self.warn(f"resource sampling is off: {e}")
+                return self
             self._thread.start()
         return self
 
     def _loop(self) -> None:
-        try:
-            sampler = Sampler()
-        except Exception as e:  # noqa: BLE001 - no /proc (not Linux): no curves, the job runs on
-            self.warn(f"resource sampling is off: {e}")
-            return
+        sampler = self.sampler
+        assert sampler is not None
         try:
             while not self._stop.wait(self.interval_s):
                 pids = self.pids()

@@ -420,3 +420,16 @@ def test_a_slurm_job_in_an_image_publishes_each_starts_rows_and_peaks_at_its_end
     assert [a[0] for a in containers] == ["resources", "resources"]  # one container a start, not one a row
     assert [r["time"] for r in rows_of(run_dir / "resources" / "s1.jsonl")] == [1.0, 2.0, 3.0, 9.0, 10.0, 11.0]
     assert runrecord.read_status(run)["peak_memory"] == {"0": {"node": "s1", "rss_peak": 40 * MIB}}
+
+
+def test_the_sampler_is_made_and_its_imports_done_in_the_starting_thread(monkeypatch) -> None:
+    """A thread importing at the moment the launcher forks a job with a preexec_fn leaves the child waiting on an
+    import lock forever (the local launcher hung so): start() makes the Sampler, NVML's import included, before
+    the thread runs."""
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    t = resources.SamplerThread(60.0, lambda: [], lambda _row: None)
+    t.start()
+    try:
+        assert t.sampler is not None and "pynvml" in sys.modules
+    finally:
+        t.close()
