@@ -18,11 +18,12 @@ def _output(output: str | None) -> str:
 
 
 def runs(output: o.Output = None, as_json: o.Json = False) -> None:
-    """List runs (newest first) with their status and best metric."""
+    """List runs (newest first) with their status and best metric (--json: with each rank's peak memory and
+    each node's CPU and memory curves)."""
     from dtrain.control.runs import best_label, list_runs
 
     where = _output(output)
-    rows = list_runs(where)
+    rows = list_runs(where, resources=as_json)
     if as_json:
         console.out.print_json(json.dumps(rows))
         return

@@ -14,10 +14,11 @@ environment of the docker client process, never on its command line), and stops 
 
 `run` starts the spec's argv (torchrun through dtrain.common.launch) in a session of its own, with
 its output going straight to SSH, then reads stdin for control lines: INT, TERM or KILL is sent to
-the job's whole process tree. When stdin closes (the launcher went away, or its SSH connection
-died), the job is stopped: SIGTERM, then SIGKILL after the spec's grace period. When the job ends,
-anything it left behind is killed, so no process outlives the agent. The agent exits with the job's
-exit code.
+the job's whole process tree. Every few seconds (the spec's "resources") it prints a "resources" control
+line: the node's CPU, memory and GPUs, and each rank's memory (dtrain.common.resources). When stdin closes
+(the launcher went away, or its SSH connection died), the job is stopped: SIGTERM, then SIGKILL after the
+spec's grace period. When the job ends, anything it left behind is killed, so no process outlives the agent.
+The agent exits with the job's exit code.
 """
 
 from __future__ import annotations
@@ -806,6 +807,7 @@ def run(spec_env: str = "") -> int:
 
     if watch is not None:
         threading.Thread(target=watch_progress, name="hang-watch", daemon=True).start()
+    sampling = start_sampling(spec, lambda: list(snapshot))
     ended = EndedRanks(float(spec.get("ranks_ended_wait_s", RANKS_ENDED_WAIT_S)))
     launcher_stuck = False
     while proc.poll() is None:
@@ -821,6 +823,8 @@ def run(spec_env: str = "") -> int:
     for p in snapshot[1:]:  # whatever the job left behind
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(p, signal.SIGKILL)
+    if sampling is not None:
+        sampling.close()
     if files is not None:
         files.close(killed=bool(killed))  # the last copy of the checkpoint directory: nothing writes to it now
     if watch is not None:
@@ -830,6 +834,21 @@ def run(spec_env: str = "") -> int:
     if launcher_stuck:
         return 0
     return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+
+
+def start_sampling(spec: dict[str, Any], pids: Any) -> Any:
+    """Resource curves (dtrain.common.resources): a row every spec["resources"]["interval_s"] as a "resources"
+    control line, which the launcher (or Slurm's batch step) records in the run. None where the spec asks for
+    none (0, or a launcher from before curves) or dtrain.common.resources cannot be imported (an agent copied
+    alone)."""
+    interval = float((spec.get("resources") or {}).get("interval_s") or 0)
+    if interval <= 0:
+        return None
+    try:
+        from dtrain.common.resources import EVENT, SamplerThread
+    except ImportError:
+        return None
+    return SamplerThread(interval, pids, lambda row: _control({"event": EVENT, **row}), warn=_say).start()
 
 
 def main(argv: list[str] | None = None) -> int:

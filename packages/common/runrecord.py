@@ -3,10 +3,12 @@ rules, used by the control side (dtrain.control.userjob: this machine and SSH) a
 (dtrain.common.slurmstep: a Slurm job's batch step). It imports only the standard library and dtrain.common.errors
 at import time (the batch step runs with the standard library alone); a store's libraries load when it is used.
 
-status.json  {"state", "exit_code", "error", "starts", "updated", "host", "pid", "peers", "job_id", ...}
+status.json  {"state", "exit_code", "error", "starts", "updated", "host", "pid", "peers", "job_id", "peak_memory", ...}
     state: running (written at each start), then completed | preempted | interrupted | failed at the end, or
     requeued (a Slurm job that starts again by itself: a preemption, a time-limit continuation, a hang restart).
     Every write replaces the file whole (Store.write_bytes is an atomic replace), keeping the fields it does not set.
+    peak_memory: each rank's peak memory, {"<rank>": {"node", "rss_peak", "gpu_peak"?}} in bytes (record_peaks,
+    from dtrain.common.resources.Recorder once the job has ended), kept across starts: the largest any reached.
 events.jsonl  one row per event: {"time", "step", "event", "message", ...}, appended.
 
 Stops. Each stop of a run carries exactly one label, the true one: the `event` of one events.jsonl row.
@@ -107,6 +109,21 @@ def update_status(run: Store, fields: Mapping[str, Any], *, drop: Iterable[str] 
     dropped = set(drop)
     prev = read_status(run) or {}
     body = {**{k: v for k, v in prev.items() if k not in dropped}, **fields, "updated": time.time()}
+    write_status(run, body)
+    return body
+
+
+PEAK_MEMORY = "peak_memory"
+
+
+def record_peaks(run: Store, peaks: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """status.json's `peak_memory` with `peaks` merged in (each rank's larger value, an earlier start's kept)."""
+    from dtrain.common.resources import merge_peaks
+
+    prev = read_status(run) or {}
+    merged = {str(k): dict(v) for k, v in (prev.get(PEAK_MEMORY) or {}).items() if isinstance(v, Mapping)}
+    merge_peaks(merged, peaks)
+    body = {**prev, PEAK_MEMORY: merged, "updated": time.time()}
     write_status(run, body)
     return body
 

@@ -68,6 +68,7 @@ from dtrain.common import runrecord
 from dtrain.common.errors import UserError, stopped_as_asked
 from dtrain.common.jobenv import STOP_GRACE_S
 from dtrain.common.progress import StragglerSet, hang_error, hang_report, silent_line
+from dtrain.common.resources import EVENT as RESOURCES_EVENT
 
 RESULT_PREFIX = "\x02dtrain-step "  # a node's result line, read by the batch step
 HEARTBEAT_PREFIX = "\x02dtrain-alive "  # a node's task is alive: every HEARTBEAT_S
@@ -382,6 +383,7 @@ def batch(jobfile: str) -> int:
     lost: list[str] = []
     stopping = False
     watch = Hangs(job)
+    resources = resources_recorder(job)
     ended_early: list[str] = []  # nodes whose steps were ended after their ranks had (NODES_ENDED_WAIT_S)
     ranks_done_at: float | None = None
     while (line := _next(lines)) is not None:
@@ -406,7 +408,8 @@ def batch(jobfile: str) -> int:
         if judge:
             watch.check_silent(set(codes))
         if line.startswith(CONTROL_PREFIX):  # an agent's hang report or its ranks' step times (node steps forward them)
-            watch.on_control(line, judge=judge)
+            if not record_resources(resources, line):
+                watch.on_control(line, judge=judge)
             continue
         if warned.is_set() and not stopping and not signalled.is_set():
             stopping = True
@@ -437,6 +440,8 @@ def batch(jobfile: str) -> int:
             proc.kill()  # srun would wait for the lost node's task until Slurm's KillWait runs out
             break
     proc.wait()
+    if resources is not None:
+        resources.close()  # its last rows and the ranks' peaks, before the end is recorded (both write status.json)
     for n in ended_early:
         codes.setdefault(n, 0)  # its ranks succeeded: torchrun waits in its exit barrier only after a success
     code = job_code(codes) if not lost and len(codes) >= len(nodes) else EXIT_FAILURE
@@ -659,6 +664,67 @@ def record_run(
         if status is not None:
             with contextlib.suppress(Exception):
                 runrecord.update_status(run, status, drop=drop)
+
+
+RESOURCES_STAGING = "resources-staging"  # container mode: this start's rows, in the job's directory, until its end
+
+
+def resources_recorder(job: dict[str, Any]) -> Any:
+    """Where the agents' "resources" lines go (dtrain.common.resources.Recorder): the run, opened here. In container
+    mode the node has no storage libraries: the rows wait in the job's directory, and at the start's end one
+    container adds them to the run (ImageResources). None where the run cannot be opened."""
+    from dtrain.common.resources import Recorder
+    from dtrain.common.storage import open_store
+
+    if job.get("image") and not os.environ.get(IN_IMAGE_ENV):
+        return ImageResources(job)
+    with contextlib.suppress(Exception), _environ(job_env(job)):
+        return Recorder(open_store(job["run_url"]))
+    return None
+
+
+class ImageResources:
+    """The batch step's Recorder in container mode: rows and peaks kept in RESOURCES_STAGING (a Recorder over a
+    local folder, bounded as the run's files are), published to the run by one `slurmstep resources` in the job's
+    image when the start ends (dtrain.common.resources.publish: rows appended, peaks merged), not a container
+    every few seconds."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        import shutil
+
+        from dtrain.common.resources import Recorder
+        from dtrain.common.storage import open_store
+
+        self.job, self.dir = job, Path(RESOURCES_STAGING)
+        shutil.rmtree(self.dir, ignore_errors=True)  # an earlier start's that never got to its end
+        self.recorder = Recorder(open_store(str(self.dir)), flush_s=0.0, staging=True)
+
+    def add(self, node: str, row: dict[str, Any]) -> None:
+        self.recorder.add(node, row)
+
+    def close(self) -> None:
+        import shutil
+
+        self.recorder.close()
+        if any(self.dir.glob("resources/*.jsonl")):
+            with contextlib.suppress(Exception):  # best effort: curves never fail a job
+                in_image(self.job, ["resources", "job.json", str(self.dir.resolve())], capture=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def record_resources(recorder: Any, line: str) -> bool:
+    """A forwarded "resources" control line ({"event": "resources", "node", ...the row}) into the run; False if
+    the line is another event."""
+    try:
+        ev = json.loads(line[len(CONTROL_PREFIX) :])
+    except ValueError:
+        return False
+    if not isinstance(ev, dict) or ev.get("event") != RESOURCES_EVENT:
+        return False
+    if recorder is not None:
+        node = str(ev.get("node") or "?")
+        recorder.add(node, {k: v for k, v in ev.items() if k not in ("event", "node")})
+    return True
 
 
 def record_time_limit(job: dict[str, Any], count: int, limit: int, message: str, *, stopped: bool) -> None:
@@ -977,7 +1043,7 @@ def forward_control(line: str, node: str) -> str | None:
         ev = json.loads(line[len(CONTROL_PREFIX) :])
     except ValueError:
         return None
-    if not isinstance(ev, dict) or ev.get("event") not in (HANG_EVENT, "alive"):
+    if not isinstance(ev, dict) or ev.get("event") not in (HANG_EVENT, "alive", RESOURCES_EVENT):
         return None
     if isinstance(ev.get("stacks"), dict):
         ev["stacks"] = {r: str(t)[-STACK_MAX_CHARS:] for r, t in ev["stacks"].items()}
@@ -1109,6 +1175,13 @@ def main(argv: list[str] | None = None) -> int:
         what = json.loads(Path(args[2]).read_text())
         record_run(read_job(args[1]), files=what.get("files"), events=what.get("events"), status=what.get("status"),
                    drop=tuple(what.get("drop") or ()))  # fmt: skip
+        return 0
+    if args[:1] == ["resources"] and len(args) == 3:  # ImageResources.close, in the job's image
+        from dtrain.common.resources import publish
+        from dtrain.common.storage import open_store
+
+        with _environ(job_env(job := read_job(args[1]))):
+            publish(open_store(args[2]), open_store(job["run_url"]))
         return 0
     if args[:1] == ["ended"] and len(args) == 4:  # program_ended, in the job's image
         program_ended(read_job(args[1]), int(args[2]), requeued=args[3] == "1")

@@ -53,6 +53,8 @@ from dtrain.common.launch import torchrun_argv
 from dtrain.common.metrics import PROGRESS_PREFIX
 from dtrain.common.nodeagent import CONTROL_PREFIX
 from dtrain.common.progress import StragglerSet
+from dtrain.common.resources import EVENT as RESOURCES_EVENT
+from dtrain.common.resources import Recorder
 from dtrain.common.storage import Store, is_remote
 from dtrain.control.cluster import Cluster, Node
 from dtrain.control.events import Events, Handle, Stop
@@ -364,6 +366,7 @@ class NodeWork:
     mounts: Sequence[tuple[str, str]] = ()  # container mode: node paths the arguments name, path -> ro | rw
     run_url: str = ""
     debug: bool = False
+    sample_interval: float = 0.0  # resource curves (dtrain.common.resources): seconds between rows; 0: none
 
 
 def node_spec(
@@ -409,6 +412,7 @@ def node_spec(
         # The job's Python first on PATH: `python`, and the tools its virtualenv installed (accelerate, deepspeed).
         "path_prepend": str(Path(node.python).parent) if "/" in node.python else "",
         "hang": dict(work.hang),
+        "resources": {"interval_s": work.sample_interval},
     }
     if work.files is not None:
         spec["files"] = dict(work.files)
@@ -525,7 +529,9 @@ class NodeAgents:
         handle: Handle,
         echo: bool = True,
         tail: int = 0,
+        resources: Recorder | None = None,
     ) -> None:
+        self.resources = resources  # where the agents' "resources" lines go (dtrain.common.resources)
         self.ssh, self.cluster, self.run_id, self.specs, self.logs = ssh, cluster, run_id, specs, logs
         self.events, self.handle = events, handle
         self.echo = echo  # False: keep the lines in .output instead of reporting them
@@ -742,6 +748,8 @@ class NodeAgents:
                     self._on_hang(name, ev)
                 elif isinstance(ev, dict) and ev.get("event") == "alive":
                     self._on_alive(name, ev)
+                elif isinstance(ev, dict) and ev.get("event") == RESOURCES_EVENT and self.resources is not None:
+                    self.resources.add(name, {k: v for k, v in ev.items() if k != "event"})
             return
         if line.startswith(PROGRESS_PREFIX):
             with contextlib.suppress(ValueError):

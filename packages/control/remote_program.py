@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.common.errors import ExitCode, UserError
+from dtrain.common.resources import SAMPLE_EVERY_S, Recorder
 from dtrain.common.rundir import CKPT_PREFIX
 from dtrain.common.runrecord import job_outcome, update_status
 from dtrain.common.storage import is_remote
@@ -232,6 +233,7 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
     exclude = sync_excludes(job, t.run.url) if job.workdir is not None else []
     archive, digest = code_archive()  # in container mode too: the agent inside, the SDK and the mirror
     logs = LogFiles(t.run_id, t.run)
+    resources = Recorder(t.run)  # the agents' "resources" lines: the run's curves and its ranks' peaks
     code, hung = int(ExitCode.FAILURE), ""
     terminated = False
     attempt = 0
@@ -310,7 +312,8 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
                     nodes=len(cluster.nodes),
                     nproc=n,
                 )
-                running = Job(ssh, cluster, t.run_id, specs, logs, events=events, handle=handle, tail=8)
+                running = Job(ssh, cluster, t.run_id, specs, logs, events=events, handle=handle, tail=8,
+                              resources=resources)  # fmt: skip
                 code = running.run()
                 hung = running.hang_error() if code == int(ExitCode.HUNG) else ""
                 terminated = terminated or running.terminated
@@ -332,6 +335,7 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
                 t0 = time.monotonic()
     finally:
         logs.close(t.run)
+        resources.close()  # its last rows and the peaks, before the end is recorded (both write status.json)
         if t.run.exists("config.json"):
             if attempt or t.resumed:
                 update_status(t.run, {"starts": t.restarts + attempt + 1})
@@ -386,6 +390,7 @@ def program_spec(
         mounts=getattr(req, "mounts", ()),
         run_url=t.run.url,
         debug=req.debug,
+        sample_interval=getattr(req, "sample_interval", SAMPLE_EVERY_S),
     )
     return node_spec(cluster, node, spec, run_id=t.run_id, nproc=nproc, threads=threads, gpus=gpus)
 

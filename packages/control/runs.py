@@ -35,7 +35,9 @@ LIST_KEYS = (
     "url",
     "error",
     "stragglers",
+    "peak_memory",
 )
+SERIES_POINTS = 120  # samples a node's curve keeps in `dtrain runs --json` and on the run page (evenly spaced)
 # A run id is one path segment: what run_location makes, or a name a person gave a directory.
 RUN_ID_OK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 HANG_STACK_CHARS = 200_000  # of a hung rank's stacks a page shows (faulthandler's are a few KiB a thread)
@@ -50,9 +52,29 @@ class NoSuchRun(UserError):
     """No run of that id under the output location."""
 
 
-def list_runs(output: str) -> list[dict[str, Any]]:
-    """Every run directory directly under `output` (local or gs://), newest first."""
-    return [{k: row[k] for k in LIST_KEYS} for row in runs_table(output)]
+def list_runs(output: str, *, resources: bool = False) -> list[dict[str, Any]]:
+    """Every run directory directly under `output` (local or gs://), newest first. `resources`: each row also has
+    its nodes' resource curves (dtrain.common.resources.read_series, at most SERIES_POINTS samples a node), read
+    from each run's resources/ (what `dtrain runs --json` shows; the table reads none)."""
+    rows = [{k: row[k] for k in LIST_KEYS} for row in runs_table(output)]
+    if resources:
+        from dtrain.common.resources import read_series, series_peaks
+
+        root = open_store(output)
+
+        def series(run_id: str) -> dict[str, Any]:
+            return read_series(root.child(run_id), points=SERIES_POINTS)
+
+        ids = [row["run_id"] for row in rows]
+        if is_remote(root.url) and len(ids) > 1:  # a listing and a read a node for each run: HTTP round trips
+            with concurrent.futures.ThreadPoolExecutor(REMOTE_READERS) as pool:
+                found = list(pool.map(series, ids))
+        else:
+            found = [series(i) for i in ids]
+        for row, curves in zip(rows, found, strict=True):
+            row["resources"] = curves
+            row["peak_memory"] = row["peak_memory"] or series_peaks(curves)  # a running job's, so far
+    return rows
 
 
 def runs_table(output: str) -> list[dict[str, Any]]:
@@ -133,6 +155,9 @@ def _summary(root: Store, name: str) -> dict[str, Any]:
         "error": status.get("error"),
         "skipped_metric_lines": len(metrics.skipped),
         "stragglers": current_stragglers(run, state),
+        # Each rank's, recorded when the job ended (dtrain.common.runrecord.record_peaks); a running job's are in
+        # its resources/ rows (list_runs(resources=True), run_detail).
+        "peak_memory": status.get("peak_memory") or {},
     }
     with _summaries_lock:
         _summaries[run.url] = _Cached(status_bytes, row)
@@ -407,14 +432,21 @@ def run_summary(output: str, run_id: str) -> dict[str, Any]:
 
 def run_detail(output: str, run_id: str) -> dict[str, Any]:
     """Everything about one run but its metrics, events and logs (read those as they grow): its table
-    row, config.json, status.json and checkpoints."""
+    row, config.json, status.json, checkpoints, its nodes' resource curves and each rank's peak memory (status.json's
+    once the job has ended, its resources/ rows' so far while it runs)."""
+    from dtrain.common.resources import read_series, series_peaks
+
     run = open_run(output, run_id)
+    status = read_json(run, "status.json") or {}
+    series = read_series(run, points=SERIES_POINTS)
     return {
         "run_id": run_id,
         "summary": _summary(open_store(output), run_id),
         "config": read_json(run, "config.json") or {},
-        "status": read_json(run, "status.json") or {},
+        "status": status,
         "checkpoints": checkpoints(run),
+        "resources": series,
+        "peak_memory": status.get("peak_memory") or series_peaks(series),
         "url": run.url,
     }
 

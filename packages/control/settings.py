@@ -40,6 +40,7 @@ from dtrain.common.env import NON_SETTING_ENV
 from dtrain.common.errors import UserError
 from dtrain.common.jobenv import ALL as JOB_ENV
 from dtrain.common.progress import STARTUP_TIMEOUT_S
+from dtrain.common.resources import SAMPLE_EVERY_S
 from dtrain.control import backends
 from dtrain.control.workloads import WORKLOADS, workload_class
 
@@ -87,6 +88,9 @@ class LaunchConfig:
         "seconds without progress before a rank that is still starting (rendezvous, init, its first steps) is hung "
         "(0: no bound of its own; docs/hangs.md)",
     )
+    sample_interval: float = opt(
+        SAMPLE_EVERY_S, "seconds between samples of each node's CPU, memory and GPUs (0: off; docs/runs.md)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("nproc", "max_restarts"):
@@ -96,6 +100,8 @@ class LaunchConfig:
             raise ValueError(
                 f"startup_timeout: must be >= 0 seconds (0: no bound of its own), got {self.startup_timeout}"
             )
+        if not 0 <= self.sample_interval < float("inf"):
+            raise ValueError(f"sample_interval: must be >= 0 seconds (0: off), got {self.sample_interval}")
         if self.hang_timeout < 0 and self.hang_timeout != -1:
             raise ValueError(f"hang_timeout: must be >= 0 (0: off) or -1 (automatic), got {self.hang_timeout}")
 

@@ -222,6 +222,7 @@ def program_plan(req: ProgramRequest) -> Any:
         max_restarts=settings.launch.max_restarts,
         hang_timeout=settings.launch.hang_timeout_s,
         startup_timeout=settings.launch.startup_timeout,
+        sample_interval=settings.launch.sample_interval,
         image=req.image,
         accept_new_host_keys=req.accept_new_host_keys,
         oversubscribe=req.oversubscribe,
@@ -348,11 +349,20 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
     # own launcher is not dtrain's to restart.
     watch = LocalHangWatch.start(plan.hang_timeout, env, t.run, events, startup_s=plan.startup_timeout,
                                  restarts=max_restarts if job.program.under_torchrun else 0)  # fmt: skip
+    from dtrain.common.resources import Recorder, SamplerThread
+
+    # Resource curves (docs/runs.md): this machine's rows into the run's resources/, its ranks' peaks in status.json.
+    recorder = Recorder(t.run)
+    here = os.uname().nodename
+    sampler = SamplerThread(plan.sample_interval, lambda: list(job_pids), lambda row: recorder.add(here, row),
+                            warn=lambda m: events.info(f"dtrain: warning: {m}")).start()  # fmt: skip
     code = int(ExitCode.FAILURE)
     try:
         code = supervise(argv, env=env, cwd=workdir, stop_file=stop_file, handle=handle, grace_s=req.grace_s,
                          what=job.program.describe(), pids=job_pids, killed=killed_box, watch=watch)  # fmt: skip
     finally:
+        sampler.close()
+        recorder.close()  # its last rows and the peaks, before the end is recorded (both write status.json)
         if watch is not None:
             watch.close()
         if mirror is not None:

@@ -54,7 +54,60 @@ def _stragglers(stragglers: dict[str, float] | None) -> str:
     return runs.stragglers_label(stragglers or {}) or "none"
 
 
-templates.env.filters.update(duration=_duration, when=_when, best=_best, stragglers=_stragglers)
+def _mib(n: Any) -> str:
+    return f"{n / 2**20:,.0f} MiB" if isinstance(n, (int, float)) else "-"
+
+
+templates.env.filters.update(duration=_duration, when=_when, best=_best, stragglers=_stragglers, mib=_mib)
+
+CURVE_W, CURVE_H = 480, 120  # one node's resource chart (SVG user units)
+
+
+def _polyline(times: list[float], values: list[Any], top: float, t0: float, span: float) -> str:
+    """SVG points for `values` over `times`, 0..top mapped onto the chart's height (gaps skipped)."""
+    pts = []
+    for t, v in zip(times, values, strict=False):
+        if isinstance(v, (int, float)) and top > 0:
+            x = (t - t0) / span * CURVE_W if span > 0 else 0.0
+            y = CURVE_H - min(max(v / top, 0.0), 1.0) * CURVE_H
+            pts.append(f"{x:.1f},{y:.1f}")
+    return " ".join(pts)
+
+
+def _rank_key(rank: str) -> tuple[int, str]:
+    return (int(rank), "") if rank.isdigit() else (1 << 30, rank)
+
+
+def resource_curves(series: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each node's resource curves (dtrain.common.resources.read_series) as the run page draws them: inline SVG
+    polylines, CPU % and memory used (of the node's total) on one 0-100 % scale, and each GPU's utilisation and
+    memory where NVML reported them; no script needed."""
+    out = []
+    for node, s in series.items():
+        times = s.get("time") or []
+        if not times:
+            continue
+        t0, span = times[0], times[-1] - times[0]
+        mem_total = s.get("mem_total") or max((v for v in s.get("mem_used") or [] if isinstance(v, int)), default=0)
+        curve = {
+            "node": node,
+            "samples": len(times),
+            "span_s": span,
+            "cpu": _polyline(times, s.get("cpu_pct") or [], 100.0, t0, span),
+            "mem": _polyline(times, s.get("mem_used") or [], float(mem_total or 0), t0, span),
+            "cpu_now": (s.get("cpu_pct") or [None])[-1],
+            "mem_now": (s.get("mem_used") or [None])[-1],
+            "mem_total": mem_total,
+            "gpus": [],
+        }
+        totals = s.get("gpu_mem_total") or []
+        for i, util in enumerate(s.get("gpu_util_pct") or []):
+            mem = (s.get("gpu_mem_used") or [[]])[i] if i < len(s.get("gpu_mem_used") or []) else []
+            total = totals[i] if i < len(totals) and totals[i] else 0
+            curve["gpus"].append({"index": i, "util": _polyline(times, util, 100.0, t0, span),
+                                  "mem": _polyline(times, mem, float(total), t0, span)})  # fmt: skip
+        out.append(curve)
+    return out
 
 
 def render(request: Request, name: str, status_code: int = 200, **context: Any) -> HTMLResponse:
@@ -105,6 +158,9 @@ def run_page(request: Request, run_id: str) -> HTMLResponse:
         live=live,
         events=events.rows,
         hangs=runs.hang_stacks(runs.open_run(output, run_id)),
+        curves=resource_curves(detail["resources"]),
+        peaks=sorted(detail["peak_memory"].items(), key=lambda kv: _rank_key(kv[0])),
+        curve_size=(CURVE_W, CURVE_H),
         done=detail["summary"]["status"] in runs.DONE_STATES,
     )
 

@@ -162,6 +162,17 @@ def test_two_hosts_two_processes_train_to_the_bucket(cwd: Path, emulator: str, t
     assert logs == ["logs/h0.log", "logs/h1.log"], logs
     replay = dtrain(cwd, emulator, "logs", run_id, "--output", out)
     assert replay.returncode == 0 and "[h0] " in replay.stdout and "eval accuracy" in replay.stdout
+    # Resource curves: each host's agent sampled it (every 5 s, the default) and the launcher recorded the rows
+    # and each rank's peak (torch and the model: well over 100 MiB of RSS a rank).
+    assert run.list("resources") == ["resources/h0.jsonl", "resources/h1.jsonl"]
+    for host in ("h0", "h1"):
+        rows = [json.loads(x) for x in run.read_bytes(f"resources/{host}.jsonl").decode().splitlines()]
+        assert rows and [x["time"] for x in rows] == sorted(x["time"] for x in rows)
+        assert all(x["node"] == host and 0 < x["mem_used"] < x["mem_total"] for x in rows)
+    peaks = status["peak_memory"]
+    assert sorted(peaks) == ["0", "1", "2", "3"], peaks
+    assert sorted(p["node"] for p in peaks.values()) == ["h0", "h0", "h1", "h1"]
+    assert all(p["rss_peak"] >= 100 << 20 for p in peaks.values()), peaks
     # Nothing of the job is left on either host.
     assert job_processes(testbed) == {"h0": [], "h1": []}
 

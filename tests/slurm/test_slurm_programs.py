@@ -119,6 +119,12 @@ def test_a_ddp_script_on_a_crashed_node_is_requeued_and_resumes_from_its_own_che
     assert final_weights(out) == expected
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "completed" and status["starts"] == 2 and status["exit_code"] == 0, status
+    # Resource curves: the nodes' agents sampled the job, the batch step recorded their rows and each rank's peak.
+    sampled = {p.stem for p in (run / "resources").glob("*.jsonl")}
+    assert set(nodes) & sampled, sampled
+    peaks = status["peak_memory"]
+    assert sorted(peaks) == ["0", "1"], peaks
+    assert all(p["node"] in sampled and p["rss_peak"] >= 64 << 20 for p in peaks.values()), peaks
     config = json.loads((run / "config.json").read_text())
     assert (config["kind"], config["world_size"], config["job"]["checkpoint_dir"]) == ("program", 2, "checkpoints")
     deadline = time.monotonic() + 30

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from dtrain.common.errors import UserError
 from dtrain.common.jobenv import STOP_GRACE_S
+from dtrain.common.resources import SAMPLE_EVERY_S
 
 if TYPE_CHECKING:
     from dtrain.control.cluster import Cluster
@@ -56,6 +57,7 @@ class Plan:
     max_restarts: int = 0
     hang_timeout: float | None = None  # the node agents' hang timeout: None from the step time, 0 off (docs/hangs.md)
     startup_timeout: float | None = None  # the start-up bound: None progress.STARTUP_TIMEOUT_S, 0 none (docs/hangs.md)
+    sample_interval: float = SAMPLE_EVERY_S  # seconds between resource samples on each node (0: off)
     image: str = ""  # container mode: run in this image on every node
     accept_new_host_keys: bool = False
     oversubscribe: bool = False
