@@ -125,13 +125,15 @@ def test_a_command_runs_once_per_node_with_its_rank_and_the_master(cwd: Path, em
 
 def test_a_torchrun_script_killed_mid_run_resumes_from_its_own_checkpoint(cwd: Path, emulator: str, testbed: Testbed):
     out = bucket(emulator)
-    args = ["--steps", "60", "--ckpt-every", "10", "--sleep", "0.1"]
+    args = ["--steps", "60", "--ckpt-every", "10"]
     base = ["train", "train.py", "--cluster", "bed", "--nproc", "1", "--output", out, "--checkpoint-dir", "checkpoints"]
+    # The uninterrupted run at full speed: the pause between steps (0.1 s) only gives the killed run time to be
+    # killed mid-way, and changes no weight.
     whole = dtrain(cwd, emulator, *base, "--", *args)
     assert whole.returncode == 0, whole.stdout + whole.stderr
     expected = final_weights(whole.stdout)
 
-    proc = start(cwd, emulator, *base, "--", *args)
+    proc = start(cwd, emulator, *base, "--", *args, "--sleep", "0.1")
     seen = read_until_copied(proc, 30, timeout=240)
     rid = run_of(seen)
     proc.send_signal(signal.SIGKILL)  # the launcher dies: the agents stop the job and copy its last checkpoint
@@ -141,7 +143,8 @@ def test_a_torchrun_script_killed_mid_run_resumes_from_its_own_checkpoint(cwd: P
         time.sleep(0.5)
     assert not any(job_processes(testbed).values()), job_processes(testbed)
 
-    resumed = dtrain(cwd, emulator, "train", "--resume", rid, "--output", out, "--cluster", "bed")
+    # The rest at full speed: `--sleep 0` after the run's own line (the last one wins).
+    resumed = dtrain(cwd, emulator, "train", "--resume", rid, "--output", out, "--cluster", "bed", "--", "--sleep", "0")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     m = re.search(r"resumed at step (\d+)", resumed.stdout)
     assert m and int(m.group(1)) >= 30, resumed.stdout

@@ -49,8 +49,9 @@ def mirrored_step(run: Path) -> int:
 def test_a_torchrun_script_killed_mid_run_resumes_from_its_own_checkpoint_and_ends_as_if_uninterrupted(
     ddp_project: Path, tmp_path: Path
 ):
-    args = ["--steps", "80", "--ckpt-every", "10", "--sleep", "0.05"]
-    # The uninterrupted run, for the final weights to compare with.
+    args = ["--steps", "80", "--ckpt-every", "10"]
+    # The uninterrupted run, for the final weights to compare with, at full speed: the pause between steps only
+    # gives the killed run below time to be killed mid-way, and changes no weight.
     whole = dtrain(["train", "train.py", "--output", str(tmp_path / "whole"), "--", *args], ddp_project, **FAST)
     assert whole.returncode == 0, whole.stdout + whole.stderr
     assert "rank 0" not in whole.stdout  # the script's own output, not dtrain's, is what shows
@@ -59,8 +60,8 @@ def test_a_torchrun_script_killed_mid_run_resumes_from_its_own_checkpoint_and_en
         p.unlink()
 
     out = tmp_path / "out"
-    proc = start(["train", "train.py", "--output", str(out), "--checkpoint-dir", "checkpoints", "--", *args],
-                 ddp_project, **FAST)  # fmt: skip
+    proc = start(["train", "train.py", "--output", str(out), "--checkpoint-dir", "checkpoints", "--", *args,
+                  "--sleep", "0.05"], ddp_project, **FAST)  # fmt: skip
     deadline = time.monotonic() + 120
     run = None
     while time.monotonic() < deadline:
@@ -79,7 +80,8 @@ def test_a_torchrun_script_killed_mid_run_resumes_from_its_own_checkpoint_and_en
     # A fresh machine: the checkpoint folder is gone; only the run's copy has it.
     for p in (ddp_project / "checkpoints").glob("*"):
         p.unlink()
-    resumed = dtrain(["train", "--resume", run.name, "--output", str(out)], ddp_project, **FAST)
+    # The rest at full speed: `--sleep 0` after the run's own line (the last one wins).
+    resumed = dtrain(["train", "--resume", run.name, "--output", str(out), "--", "--sleep", "0"], ddp_project, **FAST)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     m = re.search(r"resumed at step (\d+)", resumed.stdout)
     assert m, resumed.stdout
