@@ -42,7 +42,7 @@ pytestmark = pytest.mark.root
 
 PROJECT, ZONE = "dtrain-test", "us-central1-a"
 WORKDIR = "/var/lib/slurm/dtrain"  # the bed's Slurm workdir (hosts_toml's default)
-SHORT = ["--epochs", "1", "--train-split", "train[:8000]", "--checkpoint-every", "8"]
+SHORT = ["--epochs", "1", "--train-split", "train[:8000]", "--eval-split", "test[:2000]", "--checkpoint-every", "8"]
 
 
 class Cloud:
