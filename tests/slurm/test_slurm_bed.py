@@ -37,14 +37,19 @@ def error_line(r: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def job_processes(env: Env) -> dict[str, list[str]]:
-    """Each host's processes of dtrain jobs (batch step, node tasks, agents, torchrun, workers)."""
+def job_processes(env: Env, job: str | None = None) -> dict[str, list[str]]:
+    """Each host's processes of dtrain jobs (batch step, node tasks, agents, torchrun, workers); with `job`, only
+    that job's (SLURM_JOB_ID in their environment: Slurm sets it for everything a job starts)."""
     out: dict[str, list[str]] = {}
     for h in env.sb.hosts:
         found = []
         for pid in env.sb.bed.pids(h):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                if job is not None and f"SLURM_JOB_ID={job}".encode() not in (
+                    Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                ):
+                    continue
             except OSError:
                 continue
             if "dtrain." in cmd:
