@@ -24,7 +24,7 @@ import pytest
 
 from dtrain.common.errors import ExitCode
 
-from .conftest import BATCH, TOTAL_STEPS, Env
+from .conftest import BATCH, SHORT, TOTAL_STEPS, Env
 
 pytestmark = pytest.mark.root
 
@@ -258,13 +258,11 @@ def final_weights(run: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_a_crashed_node_requeues_the_job_which_resumes_exactly(bed: Env) -> None:
+def test_a_crashed_node_requeues_the_job_which_resumes_exactly(bed: Env, uninterrupted: dict) -> None:
     """Every process of h1 is killed mid-job, then h1 comes back: the job is requeued, resumes the same run
     from its last checkpoint and ends with the weights of an uninterrupted run; `dtrain jobs` shows 1 restart."""
-    short = ["--epochs", "1", "--train-split", "train[:8000]", "--eval-split", "test[:2000]", "--checkpoint-every", "8"]
-    reference = bed.submit(*short)
-    ref = bed.wait(reference, lambda j: j["state"] == "COMPLETED", what="COMPLETED")
-    job = bed.submit(*short)
+    ref = uninterrupted
+    job = bed.submit(*SHORT)
     row = bed.wait(job, lambda j: j["state"] == "RUNNING", what="RUNNING")
     run = Path(row["url"])
     deadline = time.monotonic() + 300
