@@ -24,7 +24,7 @@ import pytest
 
 from dtrain.common.errors import ExitCode
 
-from .conftest import BATCH, SHORT, TOTAL_STEPS, Env
+from .conftest import BATCH, EPOCHS, SHORT, TOTAL_STEPS, Env
 
 pytestmark = pytest.mark.root
 
@@ -202,13 +202,14 @@ def test_three_jobs_run_in_turn_cancel_keeps_a_checkpoint(bed: Env) -> None:
     every step they were given.
 
     What is proven here is the queue, the restart and the cancel, not the accuracy bar: the first and last jobs
-    train one epoch of 8,000 and of 4,000 images with a 2,000-image evaluation (they learn: over 0.5), and
+    train one epoch of 16,000 and of 4,000 images with a 2,000-image evaluation (they learn: over 0.5), and
     test_a_users_slurm_cluster_through_its_login_node trains the cluster tests' 2 x 16,000 images to 0.80. The
-    middle job has the 124 steps of those and is cancelled at its first checkpoint (step 10), so it is still
-    training when the cancel lands."""
-    sizes = [["--epochs", "1", "--train-split", "train[:8000]", "--eval-split", "test[:2000]"], [],
+    first job's 62 steps keep it RUNNING through slurmctld's restart; the middle job has the 124 steps of the
+    cluster tests and is cancelled at its first checkpoint (step 10), so it is still training when the cancel
+    lands."""
+    sizes = [["--epochs", "1", "--eval-split", "test[:2000]"], [],
              ["--epochs", "1", "--train-split", "train[:4000]", "--eval-split", "test[:2000]"]]  # fmt: skip
-    steps = [8000 // BATCH, TOTAL_STEPS, 4000 // BATCH]
+    steps = [TOTAL_STEPS // EPOCHS, TOTAL_STEPS, 4000 // BATCH]
     jobs = [bed.submit("--checkpoint-every", "10", "--name", f"lr-{i}", *sizes[i]) for i in range(3)]
     assert [int(j) for j in jobs] == sorted(int(j) for j in jobs)
     bed.wait(jobs[0], lambda j: j["state"] == "RUNNING", what="RUNNING")

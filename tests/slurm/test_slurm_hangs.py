@@ -77,7 +77,8 @@ def thaw(pid: int) -> None:
 def test_a_frozen_worker_is_found_named_stopped_and_the_job_requeued_resumes(bed: Env) -> None:
     # Two nodes: the package's bed may have grown to three (test_slurm_bed), and 256 is not divisible by 3.
     # One epoch: a checkpoint at step 20, the freeze, the 30 s floor, the requeue and the rest fit in 300 s.
-    job = bed.submit("--checkpoint-every", "20", "--max-restarts", "1", "--epochs", "1", "--nodes", "2")
+    job = bed.submit("--checkpoint-every", "20", "--max-restarts", "1", "--epochs", "1", "--nodes", "2",
+                     "--eval-split", "test[:2000]")  # fmt: skip
     total = TOTAL_STEPS // 2  # 62 steps an epoch
     run = bed.run_dir(job)
     pid = 0
