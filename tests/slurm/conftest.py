@@ -117,6 +117,11 @@ MNIST = ["--dataset", "fashion-mnist", "--epochs", str(EPOCHS), "--train-split",
          "--batch-size", str(BATCH), "--nproc", "1"]  # fmt: skip
 
 
+# A short 2-node run (one epoch of 8,000 images, a small evaluation, a checkpoint every 8 steps of its 31): what the
+# tests that interrupt a job (a crashed node, a preempted worker) run, and compare with the weights of `uninterrupted`.
+SHORT = ["--epochs", "1", "--train-split", "train[:8000]", "--eval-split", "test[:2000]", "--checkpoint-every", "8"]
+
+
 # Session scope: scripts/test.sh runs the default tests first and the slow ones after, in one session, so the
 # package's tests are not contiguous; the bed is built once and destroyed at the end of the session.
 @pytest.fixture(scope="session")
@@ -148,3 +153,12 @@ def bed(sbed: SlurmBed, tmp_path_factory: pytest.TempPathFactory) -> Env:
     env.setup_output = r.stdout
     sbed.make_login(sbed.host("h2"), sbed.host("h0"))
     return env
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(bed: Env) -> dict:
+    """The SHORT run, trained once per session without interruption (its `dtrain jobs` row; url: the run, in the
+    bed's shared runs folder): the weights a crashed or preempted job of the same run must resume to. Where the run
+    is written does not change them."""
+    job = bed.submit(*SHORT)
+    return bed.wait(job, lambda j: j["state"] == "COMPLETED", what="COMPLETED (the uninterrupted run)")

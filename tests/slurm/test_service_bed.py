@@ -35,14 +35,13 @@ from dtrain.control.settings import load_cluster  # noqa: E402
 from dtrain.service import logic  # noqa: E402
 from dtrain.service.daemon import Service, ServiceConfig, SshShell  # noqa: E402
 
-from .conftest import Env  # noqa: E402
+from .conftest import SHORT, Env  # noqa: E402
 from .test_slurm_bed import latest, status  # noqa: E402
 
 pytestmark = pytest.mark.root
 
 PROJECT, ZONE = "dtrain-test", "us-central1-a"
 WORKDIR = "/var/lib/slurm/dtrain"  # the bed's Slurm workdir (hosts_toml's default)
-SHORT = ["--epochs", "1", "--train-split", "train[:8000]", "--checkpoint-every", "8"]
 
 
 class Cloud:
@@ -178,13 +177,12 @@ def bucket(emulator: str, monkeypatch: pytest.MonkeyPatch) -> str:
 
 @pytest.mark.slow
 def test_a_preempted_worker_is_restarted_and_the_job_resumes_exactly(
-    bed: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bucket: str
+    bed: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bucket: str, uninterrupted: dict
 ) -> None:
     """A 2-node job writing to gs:// (the emulator): h1 preempted mid-run, started again by the service,
     returned to Slurm; the requeued job resumes from its checkpoint in the bucket and ends with the weights
-    of an uninterrupted run."""
-    reference = bed.submit(*SHORT, "--output", bucket)
-    ref = bed.wait(reference, lambda j: j["state"] == "COMPLETED", what="COMPLETED")
+    of an uninterrupted run (the session's, in the shared folder: conftest.uninterrupted)."""
+    ref = uninterrupted
     with Cloud(bed) as cloud:
         job = bed.submit(*SHORT, "--output", bucket)
         run, _ = _preempt(bed, cloud, job)

@@ -24,7 +24,7 @@ import pytest
 
 from dtrain.common.errors import ExitCode
 
-from .conftest import TOTAL_STEPS, Env
+from .conftest import BATCH, EPOCHS, SHORT, TOTAL_STEPS, Env
 
 pytestmark = pytest.mark.root
 
@@ -37,14 +37,19 @@ def error_line(r: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def job_processes(env: Env) -> dict[str, list[str]]:
-    """Each host's processes of dtrain jobs (batch step, node tasks, agents, torchrun, workers)."""
+def job_processes(env: Env, job: str | None = None) -> dict[str, list[str]]:
+    """Each host's processes of dtrain jobs (batch step, node tasks, agents, torchrun, workers); with `job`, only
+    that job's (SLURM_JOB_ID in their environment: Slurm sets it for everything a job starts)."""
     out: dict[str, list[str]] = {}
     for h in env.sb.hosts:
         found = []
         for pid in env.sb.bed.pids(h):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                if job is not None and f"SLURM_JOB_ID={job}".encode() not in (
+                    Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                ):
+                    continue
             except OSError:
                 continue
             if "dtrain." in cmd:
@@ -194,8 +199,18 @@ def test_munge_key_mismatch_on_one_node(bed: Env) -> None:
 def test_three_jobs_run_in_turn_cancel_keeps_a_checkpoint(bed: Env) -> None:
     """Three 2-node jobs on the 2-node cluster: FIFO, one RUNNING and two PENDING; slurmctld restarts under
     them; the middle one is cancelled while it trains (CANCELLED, its checkpoint kept); the others complete
-    over the accuracy bar."""
-    jobs = [bed.submit("--checkpoint-every", "20", "--name", f"lr-{i}") for i in range(3)]
+    every step they were given.
+
+    What is proven here is the queue, the restart and the cancel, not the accuracy bar: the first and last jobs
+    train one epoch of 16,000 and of 4,000 images with a 2,000-image evaluation (they learn: over 0.5), and
+    test_a_users_slurm_cluster_through_its_login_node trains the cluster tests' 2 x 16,000 images to 0.80. The
+    first job's 62 steps keep it RUNNING through slurmctld's restart; the middle job has the 124 steps of the
+    cluster tests and is cancelled at its first checkpoint (step 10), so it is still training when the cancel
+    lands."""
+    sizes = [["--epochs", "1", "--eval-split", "test[:2000]"], [],
+             ["--epochs", "1", "--train-split", "train[:4000]", "--eval-split", "test[:2000]"]]  # fmt: skip
+    steps = [TOTAL_STEPS // EPOCHS, TOTAL_STEPS, 4000 // BATCH]
+    jobs = [bed.submit("--checkpoint-every", "10", "--name", f"lr-{i}", *sizes[i]) for i in range(3)]
     assert [int(j) for j in jobs] == sorted(int(j) for j in jobs)
     bed.wait(jobs[0], lambda j: j["state"] == "RUNNING", what="RUNNING")
     rows = bed.jobs()
@@ -212,7 +227,7 @@ def test_three_jobs_run_in_turn_cancel_keeps_a_checkpoint(bed: Env) -> None:
     middle = bed.wait(jobs[1], lambda j: j["state"] == "RUNNING", what="RUNNING")
     run = Path(middle["url"])
     deadline = time.monotonic() + 300
-    while latest(run) < 20:
+    while latest(run) < 10:
         assert time.monotonic() < deadline, "the middle job saved no checkpoint"
         time.sleep(0.5)
     r = bed.dtrain("cancel", jobs[1], "--cluster", "bed")
@@ -222,16 +237,16 @@ def test_three_jobs_run_in_turn_cancel_keeps_a_checkpoint(bed: Env) -> None:
     )
     cancelled = bed.jobs()[jobs[1]]
     assert cancelled["state"] == "CANCELLED", cancelled
-    assert status(run)["state"] == "preempted" and latest(run) >= 20  # the ranks checkpointed on SIGTERM
+    assert status(run)["state"] == "preempted" and latest(run) >= 10  # the ranks checkpointed on SIGTERM
     again = bed.dtrain("cancel", jobs[1], "--cluster", "bed")
     assert again.returncode == ExitCode.USAGE
     assert error_line(again).startswith(f"error: job {jobs[1]} has already ended (CANCELLED")
 
     last = bed.wait(jobs[2], lambda j: j["state"] == "COMPLETED", what="COMPLETED")
-    for row in (first, last):
+    for row, want in ((first, steps[0]), (last, steps[2])):
         final = status(Path(row["url"]))["result"]
-        assert final["accuracy"] >= 0.80 and final["steps"] == TOTAL_STEPS and final["world_size"] == 2, final
-        assert row["last_metric"]["step"] == TOTAL_STEPS
+        assert final["accuracy"] >= 0.5 and final["steps"] == want and final["world_size"] == 2, final
+        assert row["last_metric"]["step"] == want
     done = bed.dtrain("cancel", jobs[0], "--cluster", "bed")
     assert done.returncode == ExitCode.USAGE and "has already ended (COMPLETED" in error_line(done)
     assert job_processes(bed) == {"h0": [], "h1": [], "h2": []}
@@ -244,13 +259,11 @@ def final_weights(run: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_a_crashed_node_requeues_the_job_which_resumes_exactly(bed: Env) -> None:
+def test_a_crashed_node_requeues_the_job_which_resumes_exactly(bed: Env, uninterrupted: dict) -> None:
     """Every process of h1 is killed mid-job, then h1 comes back: the job is requeued, resumes the same run
     from its last checkpoint and ends with the weights of an uninterrupted run; `dtrain jobs` shows 1 restart."""
-    short = ["--epochs", "1", "--train-split", "train[:8000]", "--checkpoint-every", "8"]
-    reference = bed.submit(*short)
-    ref = bed.wait(reference, lambda j: j["state"] == "COMPLETED", what="COMPLETED")
-    job = bed.submit(*short)
+    ref = uninterrupted
+    job = bed.submit(*SHORT)
     row = bed.wait(job, lambda j: j["state"] == "RUNNING", what="RUNNING")
     run = Path(row["url"])
     deadline = time.monotonic() + 300

@@ -77,7 +77,8 @@ def thaw(pid: int) -> None:
 def test_a_frozen_worker_is_found_named_stopped_and_the_job_requeued_resumes(bed: Env) -> None:
     # Two nodes: the package's bed may have grown to three (test_slurm_bed), and 256 is not divisible by 3.
     # One epoch: a checkpoint at step 20, the freeze, the 30 s floor, the requeue and the rest fit in 300 s.
-    job = bed.submit("--checkpoint-every", "20", "--max-restarts", "1", "--epochs", "1", "--nodes", "2")
+    job = bed.submit("--checkpoint-every", "20", "--max-restarts", "1", "--epochs", "1", "--nodes", "2",
+                     "--eval-split", "test[:2000]")  # fmt: skip
     total = TOTAL_STEPS // 2  # 62 steps an epoch
     run = bed.run_dir(job)
     pid = 0
@@ -155,7 +156,9 @@ def test_a_hang_past_the_restarts_ends_the_job_and_the_run_says_it_hung(bed: Env
 # A user's torchrun script with the SDK (no collectives: each rank keeps its own pace) and a checkpoint of its own
 # in the checkpoint directory (rank 0's step), which dtrain copies into the run and puts back when the job runs
 # again. Rank 1 takes twice as long a step (a straggler) and has half the steps: the ranks end together (a rank
-# left alone once its peer's torchrun has ended is at the mercy of torch's elastic agent).
+# left alone once its peer's torchrun has ended is at the mercy of torch's elastic agent). 60 s of steps: the
+# straggler is shown and rank 1 frozen within its first 20 s, and rank 0 is still at work when the hang is found
+# (--hang-timeout 15; the automatic timeout's 30 s floor is the frozen mnist worker's test, above).
 SDK_SCRIPT = """\
 import json
 import os
@@ -163,7 +166,7 @@ import time
 
 from dtrain import sdk
 
-STEPS = 800
+STEPS = 600
 
 
 def train_step(rank):
@@ -197,7 +200,8 @@ def test_a_users_sdk_script_shows_its_straggler_and_resumes_after_a_hang(bed: En
     project.mkdir()
     (project / "sdk_train.py").write_text(SDK_SCRIPT)
     argv = ["submit", "sdk_train.py", "--cluster", "bed", "--nodes", "2", "--nproc", "1", "--max-restarts", "1",
-            "--output", str(bed.runs), "--workdir", str(project), "--checkpoint-dir", "checkpoints"]  # fmt: skip
+            "--hang-timeout", "15", "--output", str(bed.runs), "--workdir", str(project),
+            "--checkpoint-dir", "checkpoints"]  # fmt: skip
     r = subprocess.run([*CLI, *argv], cwd=bed.cwd, env={**bed.env(), **FAST}, capture_output=True, text=True,
                        timeout=120)  # fmt: skip
     assert r.returncode == 0 and r.stdout.strip().isdigit(), r.stdout + r.stderr

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 FAST = {"DTRAIN_INTERNAL_MIRROR_INTERVAL_S": "0.5", "DTRAIN_INTERNAL_STOP_GRACE_S": "5"}
 # Two nodes of cluster bed: another test of the package may have grown it to three (test_slurm_bed).
 BED = ["--cluster", "bed", "--nodes", "2"]
-DDP_ARGS = ["--steps", "40", "--ckpt-every", "5", "--sleep", "0.3"]
+DDP_ARGS = ["--steps", "40", "--ckpt-every", "5", "--sleep", "0.2"]  # 8 s of steps; the stop lands at step 15
 
 
 @pytest.fixture(scope="module")

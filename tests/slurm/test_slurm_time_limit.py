@@ -3,8 +3,8 @@
 Slurm warns the batch step (USR1, 15 to 75 s before the limit), the job checkpoints and is requeued, and
 continues the same run, again and again, until the run completes by itself. `dtrain jobs` says "continuing
 (time limit, N)" meanwhile and the run's events.jsonl has a `time-limit` row per continuation. Prints the
-continuations and the time each one lost (the issue's figure). Real slurmctld, slurmd, sbatch/srun, torchrun
-and gloo.
+continuations and the time each one lost (the issue's figure). The two 1-node jobs run side by side, one on each
+node of the bed (program_job). Real slurmctld, slurmd, sbatch/srun, torchrun and gloo.
 
 Needs root (network namespaces; CI runs as root), Debian's slurm-wlm and munge.
 """
@@ -16,12 +16,13 @@ import math
 import re
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from runs import stop_labels
 
-from .conftest import BATCH, EPOCHS, TOTAL_STEPS, Env
+from .conftest import BATCH, ENDED, EPOCHS, TOTAL_STEPS, Env
 from .test_slurm_bed import job_processes
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -94,9 +95,41 @@ def outlive(bed: Env, epochs: int) -> tuple[str, dict, set[str], str, float]:
 WARNED_BY_S = 105.0
 
 
+# The user's program of the last test: 400 steps of 0.3 s (about 120 s of work: more than the first allocation can
+# train, whenever the warning comes) under `--time 2`, on one node.
+PROGRAM_ARGS = ["--steps", "400", "--ckpt-every", "10", "--sleep", "0.3"]
+
+
+@pytest.fixture(scope="module")
+def program_job(bed: Env, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The job of test_a_users_program_outlives_its_time_limit_from_its_own_checkpoints, submitted when the first
+    test that asks for it starts: the Fashion-MNIST test asks for it too, so that the two 1-node jobs outlive their
+    time limits side by side, each on a node of its own, instead of one after the other (each spends most of its
+    time waiting for Slurm's warning, the requeue and its next start; the program sleeps). Its job id; cancelled at
+    the end of the module if it has not ended (a test that failed)."""
+    from projects import make_ddp_project
+    from runs import CLI
+
+    from .test_slurm_programs import FAST
+
+    project = make_ddp_project(tmp_path_factory.mktemp("time-limit-program") / "proj")
+    argv = ["submit", "train.py", "--cluster", "bed", "--nodes", "1", "--nproc", "1", "--time", "2", "--output",
+            str(bed.runs), "--workdir", str(project), "--checkpoint-dir", "checkpoints", "--",
+            *PROGRAM_ARGS]  # fmt: skip
+    r = subprocess.run([*CLI, *argv], cwd=bed.cwd, env={**bed.env(), **FAST}, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip().isdigit(), r.stdout + r.stderr
+    job = r.stdout.strip()
+    yield job
+    state = bed.jobs().get(job, {}).get("state", "")
+    if state and state.split(" ")[0] not in ENDED:
+        bed.dtrain("cancel", job, "--cluster", "bed")
+
+
 # Two jobs at most, the second only when the calibration was wrong (see below): 16 s of calibration, a first job
-# that ended unwarned (under 105 s) and a second of WORK_S with one continuation (about 165 s) fit the 300 s.
-def test_a_job_that_outlives_its_time_limit_continues_until_it_completes(bed: Env) -> None:
+# that ended unwarned (under 105 s) and a second of WORK_S with one continuation (about 165 s) fit the 300 s. The
+# user's program job (program_job) runs on the other node meanwhile.
+def test_a_job_that_outlives_its_time_limit_continues_until_it_completes(bed: Env, program_job: str) -> None:
     start = time.monotonic()
     epochs, epoch_s = epochs_for(bed, WORK_S)
     # What the job did when, printed if it fails (pytest shows a failed test's output): where the time went.
@@ -161,8 +194,8 @@ def test_a_job_that_outlives_its_time_limit_continues_until_it_completes(bed: En
     print(f"  time lost per continuation: mean {sum(lost) / n:.1f} s, max {max(lost):.1f} s")
     assert all(s["step"] == r["step"] for s, r in zip(stops, resumes, strict=True))  # nothing redone
     deadline = time.monotonic() + 30
-    while any(job_processes(bed).values()):
-        assert time.monotonic() < deadline, job_processes(bed)
+    while any(job_processes(bed, job).values()):  # its own: the program's job may still be running
+        assert time.monotonic() < deadline, job_processes(bed, job)
         time.sleep(1)
 
 
@@ -182,24 +215,13 @@ def test_a_programs_time_reaches_its_batch_script(bed: Env, tmp_path: Path) -> N
     assert row["continuations"] == 0 and row["time_limit"] == "", row
 
 
-def test_a_users_program_outlives_its_time_limit_from_its_own_checkpoints(bed: Env, tmp_path: Path) -> None:
+def test_a_users_program_outlives_its_time_limit_from_its_own_checkpoints(bed: Env, program_job: str) -> None:
     """A plain torchrun script that knows nothing of dtrain (its own ckpt.pt every 10 steps, no SIGTERM handler:
-    it is killed by the stop) with about 120 s of work under `--time 2`: at the warning its node step makes the
-    stop file and the program is stopped, its checkpoint directory (copied by the node agent) is put back when
-    the job runs again, and the script resumes from its own ckpt.pt until it ends."""
-    from projects import make_ddp_project
-    from runs import CLI
-
-    from .test_slurm_programs import FAST
-
-    project = make_ddp_project(tmp_path / "proj")
-    argv = ["submit", "train.py", "--cluster", "bed", "--nodes", "1", "--nproc", "1", "--time", "2", "--output",
-            str(bed.runs), "--workdir", str(project), "--checkpoint-dir", "checkpoints", "--",
-            "--steps", "400", "--ckpt-every", "10", "--sleep", "0.3"]  # fmt: skip
-    r = subprocess.run([*CLI, *argv], cwd=bed.cwd, env={**bed.env(), **FAST}, capture_output=True, text=True,
-                       timeout=120)  # fmt: skip
-    assert r.returncode == 0 and r.stdout.strip().isdigit(), r.stdout + r.stderr
-    job = r.stdout.strip()
+    it is killed by the stop) with about 120 s of work under `--time 2` (program_job: submitted with the first
+    test's, it has been running since): at the warning its node step makes the stop file and the program is
+    stopped, its checkpoint directory (copied by the node agent) is put back when the job runs again, and the
+    script resumes from its own ckpt.pt until it ends."""
+    job = program_job
     row = bed.wait(job, lambda j: j["state"] == "COMPLETED", timeout=270, what="COMPLETED")
     n = row["continuations"]
     assert n >= 1 and row["time_limit"] == f"completed (time limit, {n})", row
