@@ -320,12 +320,17 @@ class Recorder:
         self._pending: dict[str, list[dict[str, Any]]] = {}
         self._flushed_at = time.monotonic()
         self.peaks: dict[str, dict[str, Any]] = {}
+        self._before: dict[str, bytes | None] = {}  # node -> its file as this start found it (None: there was none)
         self._closed = False
 
     def _start(self, node: str) -> None:
         """The node's file as an earlier start of the run left it: a resumed run's curve goes on (thinned as if it
         had grown here)."""
-        self._count[node], self._stride[node], self._seen[node] = len(read_rows(self.run, resources_file(node))), 1, 0
+        rel = resources_file(node)
+        self._before[node] = None
+        with contextlib.suppress(Exception):
+            self._before[node] = self.run.read_bytes(rel) if self.run.exists(rel) else None
+        self._count[node], self._stride[node], self._seen[node] = len(read_rows(self.run, rel)), 1, 0
         if self._count[node] >= self.max_rows:
             self._thin(node)
 
@@ -366,13 +371,19 @@ class Recorder:
             with contextlib.suppress(Exception):
                 self.run.append_bytes(resources_file(node), "".join(json.dumps(r) + "\n" for r in rows).encode())
 
-    def close(self) -> None:
+    def close(self, refused: bool = False) -> None:
         """The last rows, and the peaks into status.json: call it once the job has ended on every node (nothing
-        else writes status.json then), before the launcher records the end."""
+        else writes status.json then), before the launcher records the end. `refused`: the job refused its input
+        (exit 2, ExitCode.USAGE), which changes nothing in a run: each node's file goes back to what this start
+        found (or away), and no peaks are recorded."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            if refused:
+                self._pending.clear()
+                self._restore()
+                return
             for name in list(self._pending):
                 self._flush(name)
             if not self.staging and not discard_unmade(self.run):
@@ -382,6 +393,16 @@ class Recorder:
 
                 with contextlib.suppress(Exception):
                     runrecord.record_peaks(self.run, self.peaks)
+
+    def _restore(self) -> None:
+        with contextlib.suppress(Exception):  # best effort, as every write of the curves
+            for node, before in self._before.items():
+                if before is None:
+                    self.run.delete(resources_file(node))
+                else:
+                    self.run.write_bytes(resources_file(node), before)
+            if self._before and not self.run.list(f"{RESOURCES}/"):
+                self.run.delete(RESOURCES)
 
 
 def discard_unmade(run: Store) -> bool:

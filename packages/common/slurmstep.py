@@ -440,11 +440,12 @@ def batch(jobfile: str) -> int:
             proc.kill()  # srun would wait for the lost node's task until Slurm's KillWait runs out
             break
     proc.wait()
-    if resources is not None:
-        resources.close()  # its last rows and the ranks' peaks, before the end is recorded (both write status.json)
     for n in ended_early:
         codes.setdefault(n, 0)  # its ranks succeeded: torchrun waits in its exit barrier only after a success
     code = job_code(codes) if not lost and len(codes) >= len(nodes) else EXIT_FAILURE
+    if resources is not None:
+        # its last rows and the ranks' peaks, before the end is recorded (both write status.json); none for a refusal
+        resources.close(refused=code == EXIT_USAGE)
     if not lost and len(codes) >= len(nodes):
         # Asked to stop (Slurm, the time limit, a node's processes by the cloud) and stopped as asked: preempted;
         # exit 3 that nobody asked for is a failure (dtrain.common.runrecord.job_outcome, as every launcher's).
@@ -702,10 +703,13 @@ class ImageResources:
     def add(self, node: str, row: dict[str, Any]) -> None:
         self.recorder.add(node, row)
 
-    def close(self) -> None:
+    def close(self, refused: bool = False) -> None:
         import shutil
 
         self.recorder.close()
+        if refused:  # a refusal changes nothing in the run: the staged rows are not published
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return
         if any(self.dir.glob("resources/*.jsonl")):
             with contextlib.suppress(Exception):  # best effort: curves never fail a job
                 in_image(self.job, ["resources", "job.json", str(self.dir.resolve())], capture=True)

@@ -335,7 +335,8 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
                 t0 = time.monotonic()
     finally:
         logs.close(t.run)
-        resources.close()  # its last rows and the peaks, before the end is recorded (both write status.json)
+        # its last rows and the peaks, before the end is recorded (both write status.json); none for a refusal
+        resources.close(refused=code == ExitCode.USAGE)
         if t.run.exists("config.json"):
             if attempt or t.resumed:
                 update_status(t.run, {"starts": t.restarts + attempt + 1})

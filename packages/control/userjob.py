@@ -362,7 +362,8 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
                          what=job.program.describe(), pids=job_pids, killed=killed_box, watch=watch)  # fmt: skip
     finally:
         sampler.close()
-        recorder.close()  # its last rows and the peaks, before the end is recorded (both write status.json)
+        # its last rows and the peaks, before the end is recorded (both write status.json); none for a refusal
+        recorder.close(refused=code == ExitCode.USAGE)
         if watch is not None:
             watch.close()
         if mirror is not None:

@@ -116,6 +116,28 @@ def test_a_run_that_was_never_made_or_was_removed_keeps_no_curves(tmp_path: Path
     assert "peak_memory" not in runrecord.read_status(started)
 
 
+def test_a_start_that_refused_its_input_changes_nothing_in_the_run(tmp_path: Path) -> None:
+    """A resume refused for bad input (exit 2: other model settings, say) ends within seconds, while the sampler
+    has already added rows: the run's files are as the earlier start left them, byte for byte, and a node that
+    had no file has none (tests/lora/test_bad_inputs.py's refused resume compares the whole run)."""
+    run = made_run(str(tmp_path / "run"))
+    first = resources.Recorder(run)
+    first.add("n1", row(1.0, 300 * MIB))
+    first.close()
+    files = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    refused = resources.Recorder(run, flush_s=0.0)  # rows reach the file at once, before the job ends
+    refused.add("n1", row(2.0, 900 * MIB))
+    refused.add("n2", row(2.0, 100 * MIB, rank="1"))
+    assert len(rows_of(tmp_path / "run" / "resources" / "n1.jsonl")) == 2
+    refused.close(refused=True)
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == files
+    fresh = made_run(str(tmp_path / "fresh"))  # a run with no curves yet keeps none, nor their folder
+    rec = resources.Recorder(fresh, flush_s=0.0)
+    rec.add("n1", row(1.0, MIB))
+    rec.close(refused=True)
+    assert [p.name for p in (tmp_path / "fresh").iterdir()] == ["config.json"]
+
+
 def test_a_resumed_runs_file_over_the_bound_is_thinned_in_the_run(tmp_path: Path) -> None:
     run = made_run(str(tmp_path / "run"))
     first = resources.Recorder(run)
