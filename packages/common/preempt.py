@@ -65,8 +65,12 @@ class PreemptionPoll:
     c (c <= M), has no answer yet when it polls step c + 1 waits for it there. That wait cannot deadlock with
     the training's own collectives, because the peers' posts come from their threads, not from their training
     loops; and it is short, since the threads post at about the same moment. Stop latency: stop_bound_s().
-    `close()` is collective: call it on every rank at the end of training (run_workload does), so no rank
-    leaves a post its peers never meet."""
+    `close()` is collective: call it on every rank at the end of training (run_workload does). A closing rank's
+    thread goes on posting, at once and marked "closing", until a post finds every rank closing: its posts meet
+    those of a peer still training (which may be waiting for exactly that in its last poll), and all threads end
+    after the same post, so none is left waiting in one. (An earlier close agreed on the count of posts over the
+    main group first: a peer waiting in its last poll for a post the closing rank's thread would never make
+    could not get there, and both timed out.)"""
 
     def __init__(self, d: Any, watch: PreemptionWatch, interval_s: float = PREEMPT_POLL_INTERVAL_S) -> None:
         self.d, self.watch, self.interval_s = d, watch, interval_s
@@ -99,21 +103,23 @@ class PreemptionPoll:
                 self._thread.start()
             return self.stop_at is not None and step >= self.stop_at
 
-    def _post(self, flag: float, step: int) -> tuple[Any, Any]:
+    def _post(self, flag: float, step: int, closing: bool) -> tuple[Any, Any]:
+        """An all-reduce (MAX) of (flag, step, -1 if closing else 0): the third is -1 only if every rank closes."""
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor([flag, float(step)], dtype=torch.float64)
+        t = torch.tensor([flag, float(step), -1.0 if closing else 0.0], dtype=torch.float64)
         self.posts += 1
         return dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group, async_op=True), t
 
     def _agree(self) -> None:
         while True:
             with self._cond:
-                if self._closing:
-                    return
+                closing = self._closing
                 self._pending = self._step
-                handle, t = self._post(1.0 if self.watch.requested else 0.0, self._step)
+                # a closing rank has trained its last step: a SIGTERM now asks it for nothing
+                flag = 1.0 if self.watch.requested and not closing else 0.0
+                handle, t = self._post(flag, self._step, closing)
             try:
                 handle.wait()
             except BaseException as e:  # noqa: BLE001 - a peer is gone: the training loop says so
@@ -121,29 +127,27 @@ class PreemptionPoll:
                     self._error, self._pending = e, None
                     self._cond.notify_all()
                 return
-            flag, highest = t.tolist()
+            flag, highest, all_closing = t.tolist()
             with self._cond:
                 if flag > 0:
                     self.stop_at = int(highest) + 1
                 self._pending = None
                 self._cond.notify_all()
-                if self.stop_at is not None:
+                if self.stop_at is not None or all_closing < 0:
                     return  # every rank got the same answer: none posts again
-            self._wake.wait(self.interval_s)
+            if not self._wake.is_set():
+                self._wake.wait(self.interval_s)
 
     def close(self) -> None:
-        """Meet every peer's posts, so none is left waiting in one: the thread stops posting, the ranks agree
-        (blocking, on the main group) on the most posts any made, each posts up to that, and waits for the
-        thread. Collective."""
+        """Meet every peer's posts, so none is left waiting in one: this rank's thread (started here if it never
+        was) posts "closing" at once until a post finds every rank closing, then ends. Collective."""
         if self._group is None:
             return
         with self._cond:
             self._closing = True
-            posts = self.posts
+            if self._thread is None and self._error is None:
+                self._thread = threading.Thread(target=self._agree, name="dtrain-preempt-poll", daemon=True)
+                self._thread.start()
         self._wake.set()
-        (most,) = self.d.max_of(float(posts))
-        extra = [self._post(0.0, -1)[0] for _ in range(int(most) - posts)]
-        for handle in extra:
-            handle.wait()
         if self._thread is not None:
             self._thread.join()

@@ -77,6 +77,41 @@ def test_ranks_that_end_without_a_stop_leave_together(tmp_path):
     assert r0["posts"] == r1["posts"] > 10
 
 
+CLOSE_SCRIPT = """
+import json, os, sys, time
+import torch
+import torch.distributed as dist
+from dtrain.common.dist import distributed
+from dtrain.common.preempt import PreemptionPoll, PreemptionWatch
+
+rank = int(os.environ["RANK"])
+with distributed(timeout_s=10) as d:
+    poll = PreemptionPoll(d, PreemptionWatch(), interval_s=0.02)
+    grads = torch.zeros(16)
+    for step in range(1, 51):
+        dist.all_reduce(grads)  # the ranks are in step
+        if step == 50 and rank == 0:
+            time.sleep(0.3)  # rank 1 is in close() while rank 0's thread posts again and rank 0 polls after it
+        poll(step)
+    poll.close()
+print(json.dumps({"posts": poll.posts, "stopped": step}))
+"""
+
+
+def test_a_rank_that_closes_first_meets_the_post_its_peers_last_poll_waits_for(tmp_path):
+    """Rank 1 is in close() while rank 0, 0.3 s behind it, polls its last step with a post in flight that was made
+    after that step's predecessor: that poll waits for the post, which only rank 1's thread can meet. (The earlier
+    close agreed on the count of posts over the main group instead, which rank 0 never reached: both timed out,
+    as in CI's 2-session run.)"""
+    script = tmp_path / "close.py"
+    script.write_text(CLOSE_SCRIPT)
+    from runs import run_ranks
+
+    r0, r1 = run_ranks(script, [{}, {}], timeout=60)
+    assert r0["stopped"] == r1["stopped"] == 50
+    assert r0["posts"] == r1["posts"] > 1
+
+
 # Steps of FAST_S for FAST_STEPS steps, then SLOW_S: the old rule sized its interval from the fast steps
 # (1 s / 10 ms = its 100-step cap) and then waited up to 100 slow steps (25 s) for a stop.
 FAST_S, FAST_STEPS, SLOW_S = 0.01, 300, 0.25
