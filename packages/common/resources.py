@@ -326,11 +326,11 @@ class Recorder:
     def _start(self, node: str) -> None:
         """The node's file as an earlier start of the run left it: a resumed run's curve goes on (thinned as if it
         had grown here)."""
-        rel = resources_file(node)
-        self._before[node] = None
+        before = None  # no file yet (or an unreadable store): no rows
         with contextlib.suppress(Exception):
-            self._before[node] = self.run.read_bytes(rel) if self.run.exists(rel) else None
-        self._count[node], self._stride[node], self._seen[node] = len(read_rows(self.run, rel)), 1, 0
+            before = self.run.read_bytes(resources_file(node))
+        self._before[node] = before
+        self._count[node], self._stride[node], self._seen[node] = len(parse_rows(before or b"")), 1, 0
         if self._count[node] >= self.max_rows:
             self._thin(node)
 
@@ -439,12 +439,17 @@ def publish(staged: Store, run: Store) -> None:
 def read_rows(run: Store, rel: str) -> list[dict[str, Any]]:
     """The rows of a node's file (`rel`: resources_file(node)), in file order; [] without one. A line that is not
     a JSON object (a torn last line) is skipped."""
-    rows: list[dict[str, Any]] = []
     try:
-        text = run.read_bytes(rel).decode(errors="replace")
+        data = run.read_bytes(rel)
     except Exception:  # noqa: BLE001 - no file yet, an unreadable store: no rows
-        return rows
-    for line in text.splitlines():
+        return []
+    return parse_rows(data)
+
+
+def parse_rows(data: bytes) -> list[dict[str, Any]]:
+    """A node's file's rows (read_rows), from its bytes."""
+    rows: list[dict[str, Any]] = []
+    for line in data.decode(errors="replace").splitlines():
         with contextlib.suppress(ValueError):
             if isinstance(row := json.loads(line), dict):
                 rows.append(row)
