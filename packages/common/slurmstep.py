@@ -707,10 +707,8 @@ class ImageResources:
         import shutil
 
         self.recorder.close()
-        if refused:  # a refusal changes nothing in the run: the staged rows are not published
-            shutil.rmtree(self.dir, ignore_errors=True)
-            return
-        if any(self.dir.glob("resources/*.jsonl")):
+        # a refusal (exit 2) changes nothing in the run: its staged rows are not published
+        if not refused and any(self.dir.glob("resources/*.jsonl")):
             with contextlib.suppress(Exception):  # best effort: curves never fail a job
                 in_image(self.job, ["resources", "job.json", str(self.dir.resolve())], capture=True)
         shutil.rmtree(self.dir, ignore_errors=True)
