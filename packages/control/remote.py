@@ -591,7 +591,9 @@ class NodeAgents:
     def _supervise(self) -> int:
         open_streams = set(self.procs)
         hard_stop_at = float("inf")
-        while open_streams or any(p.poll() is None for p in self.procs.values()):
+        # Ended when every stream closed and every node's code was taken: a condition on what was taken, not a
+        # fresh poll (a node that ended after the last look would otherwise leave without its code).
+        while open_streams or len(self.codes) < len(self.procs):
             self._handle_stops()
             try:
                 name, line = self.lines.get(timeout=0.2)
@@ -603,15 +605,7 @@ class NodeAgents:
                 self._heard[name] = time.monotonic()
                 self._show(name, line)
             self._check_silent(open_streams)
-            for n, p in self.procs.items():
-                if n not in self.codes and p.poll() is not None:
-                    self.codes[n] = p.returncode
-                    if p.returncode != 0 and self.first_failure is None and not self.interrupted:
-                        self.first_failure = (n, p.returncode)
-                        if p.returncode == 255:
-                            self._say(f"lost the SSH connection to node {n}")
-                        if any(q.poll() is None for q in self.procs.values()):
-                            self._kill_at = min(self._kill_at, time.monotonic() + FAIL_FAST_GRACE_S)
+            self._take_codes()
             now = time.monotonic()
             if now > self._kill_at:
                 self._send("KILL")
@@ -622,6 +616,18 @@ class NodeAgents:
                         p.kill()
                 hard_stop_at = float("inf")
         return self._code()
+
+    def _take_codes(self) -> None:
+        """Each node whose connection ended since the last look: its exit code, and the first failure."""
+        for n, p in self.procs.items():
+            if n not in self.codes and p.poll() is not None:
+                self.codes[n] = p.returncode
+                if p.returncode != 0 and self.first_failure is None and not self.interrupted:
+                    self.first_failure = (n, p.returncode)
+                    if p.returncode == 255:
+                        self._say(f"lost the SSH connection to node {n}")
+                    if any(q.poll() is None for q in self.procs.values()):
+                        self._kill_at = min(self._kill_at, time.monotonic() + FAIL_FAST_GRACE_S)
 
     def _handle_stops(self) -> None:
         for stop in self.handle.take():
