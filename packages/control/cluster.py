@@ -67,6 +67,9 @@ class Cluster:
     # Each node's estimated USD per hour, by name (gcp: dtrain.control.gcp.prices); None: no price is
     # known (a user's own machines or Slurm cluster).
     node_usd_per_hour: Mapping[str, float] | None = None
+    # What the cluster's launcher needs from its table that the nodes do not say (a Kubernetes namespace, a pod's
+    # resources): the backend's to fill and its launcher's to read, so a new pair of them needs no field here.
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def master(self) -> Node:
