@@ -41,6 +41,7 @@ REGISTRY: dict[str, str] = {
     "hosts": "dtrain.control.backends.hosts",
     "gcp": "dtrain.control.backends.gcp",
     "slurm": "dtrain.control.backends.slurm",
+    "kubernetes": "dtrain.control.backends.kubernetes",
 }
 
 

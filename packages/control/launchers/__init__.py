@@ -114,6 +114,7 @@ REGISTRY = {
     "local": "dtrain.control.launchers.here",
     "ssh": "dtrain.control.launchers.ssh",
     "slurm": "dtrain.control.launchers.slurm",
+    "kubernetes": "dtrain.control.launchers.kubernetes",
 }
 
 
