@@ -133,6 +133,19 @@ def duration(value: Any, key: str, where: str) -> float:
     return float(seconds)
 
 
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def env_table(value: Any, where: str) -> dict[str, str]:
+    """A table's `env` (NAME = "value", set for the job on every node), checked: one line naming a bad entry."""
+    if not isinstance(value, dict):
+        raise UserError(f'{where}: env must be a table of NAME = "value", got {type(value).__name__}')
+    for k, v in value.items():
+        if not ENV_NAME_RE.match(k) or not isinstance(v, (str, int, float)) or isinstance(v, bool):
+            raise UserError(f"{where}: env.{k} must be a variable name with a string value")
+    return {k: str(v) for k, v in value.items()}
+
+
 def check_keys(table: Mapping[str, Any], known: set[str], where: str) -> None:
     for k in table:
         if k not in known:

@@ -9,6 +9,7 @@ import pytest
 
 from dtrain.common.config import Precision, RunConfig, scalar_fields
 from dtrain.common.errors import UserError
+from dtrain.control import backends
 from dtrain.control import settings as S
 from dtrain.control.settings import (
     describe,
@@ -19,6 +20,9 @@ from dtrain.control.settings import (
 )
 from dtrain.control.workloads import WORKLOADS, Builtin, workload_class
 from dtrain.mnist.config import Dataset, MnistConfig
+
+# The backends as the errors list them: from the registry, so that a new backend is one line there (and its module).
+QUOTED = " | ".join(f'"{n}"' for n in backends.names())
 
 
 @pytest.fixture
@@ -360,7 +364,7 @@ def test_unknown_cluster_is_only_an_error_when_asked_for(cwd):
     s = load_settings(env={"DTRAIN_CLUSTER": "gpu"})
     assert error_of(lambda: get_cluster(s)) == (
         "unknown cluster 'gpu' (from DTRAIN_CLUSTER); no clusters are defined: add a [clusters.gpu] table "
-        'with backend = "local" | "hosts" | "gcp" | "slurm" to dtrain.toml'
+        f"with backend = {QUOTED} to dtrain.toml"
     )
     assert get_cluster(load_settings(env={})).backend == "local"
 
@@ -378,11 +382,11 @@ def test_unknown_cluster_is_only_an_error_when_asked_for(cwd):
         ),
         (
             '[clusters.gpu]\nbackend = "aws"',
-            "dtrain.toml: clusters.gpu.backend must be one of local | hosts | gcp | slurm, got 'aws'",
+            f"dtrain.toml: clusters.gpu.backend must be one of {' | '.join(backends.names())}, got 'aws'",
         ),
         (
             "[clusters.gpu]\n",
-            'dtrain.toml: clusters.gpu.backend is required (one of "local" | "hosts" | "gcp" | "slurm")',
+            f"dtrain.toml: clusters.gpu.backend is required (one of {QUOTED})",
         ),
         ('clusters = "gpu"', "dtrain.toml: clusters must be tables [clusters.NAME], got a string"),
         ('[clusters]\ngpu = "gcp"', "dtrain.toml: clusters.gpu must be a table ([clusters.gpu]), got a string"),

@@ -51,6 +51,7 @@ from dtrain.control.cluster import (
     check_image,
     check_keys,
     default_known_hosts,
+    env_table,
     typed,
 )
 
@@ -61,7 +62,6 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 HOSTNAME_RE = re.compile(
     r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
 )
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 # Keys of a node; each but name/address/master may also be set once for all nodes.
 NODE_KEYS = {f.name: f for f in dataclasses.fields(Node)}
@@ -138,12 +138,7 @@ def _build_cluster(name: str, backend: str, spec: Mapping[str, Any], where: str,
     if known is not None:
         known_path = Path(os.path.expanduser(typed(known, str, "known_hosts", where)))
         known_path = known_path if known_path.is_absolute() else base_dir / known_path
-    env = spec.get("env", {})
-    if not isinstance(env, dict):
-        raise UserError(f'{where}: env must be a table of NAME = "value", got {type(env).__name__}')
-    for k, v in env.items():
-        if not ENV_NAME_RE.match(k) or not isinstance(v, (str, int, float)) or isinstance(v, bool):
-            raise UserError(f"{where}: env.{k} must be a variable name with a string value")
+    env = env_table(spec.get("env", {}), where)
     shared_fs = typed(spec.get("shared_fs", False), bool, "shared_fs", where)
     image = check_image(typed(spec.get("image", ""), str, "image", where), where) if spec.get("image") else ""
     slurm = None
@@ -166,7 +161,7 @@ def _build_cluster(name: str, backend: str, spec: Mapping[str, Any], where: str,
         rdzv_port=rdzv_port,
         rdzv_timeout=rdzv_timeout,
         known_hosts=known_path,
-        env={k: str(v) for k, v in env.items()},
+        env=env,
         shared_fs=shared_fs,
         image=image,
         launcher="slurm" if slurm else "ssh",

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from dtrain.common.errors import UserError
 from dtrain.control.backends import where
-from dtrain.control.cluster import DEFAULT_RDZV_PORT, Cluster, Node, check_image, check_keys, typed
+from dtrain.control.cluster import DEFAULT_RDZV_PORT, Cluster, Node, check_image, check_keys, env_table, typed
 
 if TYPE_CHECKING:
     from dtrain.control.settings import ClusterConfig
@@ -36,7 +36,6 @@ NAMESPACE_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 # A memory quantity: a number with an optional binary or decimal suffix ("16Gi", "512M", "1e9").
 MEMORY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?([eE][0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 BUCKET_RE = re.compile(r"^gs://[a-z0-9][a-z0-9._-]{1,221}[a-z0-9](/[^\s]*)?$")
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_NODES = 1000
 
 
@@ -67,12 +66,6 @@ def options(cfg: ClusterConfig) -> dict[str, Any]:
     port = typed(spec.get("rdzv_port", DEFAULT_RDZV_PORT), int, "rdzv_port", w)
     if not 1 <= port <= 65535:
         raise UserError(f"{w}: rdzv_port must be a TCP port (1-65535), got {port}")
-    env = spec.get("env", {})
-    if not isinstance(env, dict):
-        raise UserError(f'{w}: env must be a table of NAME = "value", got {type(env).__name__}')
-    for k, v in env.items():
-        if not ENV_NAME_RE.match(k) or not isinstance(v, (str, int, float)) or isinstance(v, bool):
-            raise UserError(f"{w}: env.{k} must be a variable name with a string value")
     return {
         "image": check_image(image, w) if image else "",
         "bucket": bucket,
@@ -83,7 +76,7 @@ def options(cfg: ClusterConfig) -> dict[str, Any]:
         "cpus": _count(spec, "cpus", 0, 0, w),
         "memory": memory,
         "rdzv_port": port,
-        "env": {k: str(v) for k, v in env.items()},
+        "env": env_table(spec.get("env", {}), w),
     }
 
 
