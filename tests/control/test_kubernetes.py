@@ -107,9 +107,13 @@ def pod(job: Any, role: str, index: int) -> tuple[list[str], dict[str, str], dic
     return argv, {**plain, **env}, json.loads(argv[4])
 
 
-def read_manifest(url: str) -> dict[str, Any]:
+def yaml_of(url: str, rel: str) -> dict[str, Any]:
     yaml = pytest.importorskip("yaml")
-    return yaml.safe_load(open_store(url).read_bytes("kubernetes/pytorchjob.yaml"))
+    return yaml.safe_load(open_store(url).read_bytes(rel))
+
+
+def read_manifest(url: str) -> dict[str, Any]:
+    return yaml_of(url, "kubernetes/pytorchjob.yaml")
 
 
 def test_train_writes_a_pytorchjob_the_sdk_reads_and_starts_nothing(tmp_path: Path, gcs_bucket: str) -> None:
@@ -364,3 +368,32 @@ def test_the_pods_command_lines_train_and_copy_their_checkpoints_to_the_bucket(t
         assert row["sum"] == 10.0 and (row["WORLD_SIZE"], row["DTRAIN_NNODES"], row["DTRAIN_RUN"]) == ("4", "2", run_id)
         assert row["DTRAIN_NODE_RANK"] == row["GROUP_RANK"] == str(i // 2), row  # the operator's rank is torchrun's
         assert Path(row["cwd"]).resolve() == code.resolve()  # the program runs in the image's working directory
+
+
+def test_each_resume_is_a_new_job_that_puts_the_checkpoints_back(tmp_path: Path, gcs_bucket: str) -> None:
+    """`--resume` renders another PyTorchJob beside the first (kubectl apply of the same name would only patch a
+    finished job): its own name and file, DTRAIN_RESTART_COUNT counting the manifests before it, the checkpoint
+    directory put back from the run's copy. The record still says not started, with the newest manifest."""
+    root = project(tmp_path, gcs_bucket)
+    (root / "train.py").write_text("print('hi')\n")
+    first = cli(root, "train", "train.py", "--cluster", "k8s", env=run_env(tmp_path))
+    (url,) = re.findall(r"gcloud storage cat (gs://\S+)/kubernetes/pytorchjob.yaml", first.out)
+    run_id = url.rsplit("/", 1)[-1]
+    for n in (1, 2):
+        r = cli(root, "train", "--resume", url, "--cluster", "k8s", env=run_env(tmp_path))
+        assert r.code == ExitCode.USAGE, r.err
+        assert f"gcloud storage cat {url}/kubernetes/pytorchjob-r{n}.yaml | kubectl apply -f -" in r.out, r.out
+        job = sdk_round_trip(yaml_of(url, f"kubernetes/pytorchjob-r{n}.yaml"))
+        assert job.metadata.name == f"{run_id}-r{n}"
+        _argv, env, spec = pod(job, "Master", 0)
+        assert env["DTRAIN_RESTART_COUNT"] == str(n) and spec["files"]["mirror"]["restore"] is True
+        assert spec["argv"][-1] == "train.py"
+    run = open_store(url)
+    status = json.loads(run.read_bytes("status.json"))
+    assert (status["state"], status["starts"], status["kubernetes"]["name"]) == ("not-started", 0, f"{run_id}-r2")
+    assert [json.loads(x)["event"] for x in run.read_bytes("events.jsonl").decode().splitlines()] == ["manifests"] * 3
+    assert [n for n in run.list("") if n.startswith("kubernetes/")] == [
+        "kubernetes/pytorchjob-r1.yaml",
+        "kubernetes/pytorchjob-r2.yaml",
+        "kubernetes/pytorchjob.yaml",
+    ]

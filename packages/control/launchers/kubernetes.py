@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 API_VERSION, KIND = "kubeflow.org/v1", "PyTorchJob"
 CONTAINER = "pytorch"  # the operator's default container name, which it reads the port from
 PORT_NAME = "pytorchjob-port"  # the port it sets MASTER_PORT from
-MANIFEST = "kubernetes/pytorchjob.yaml"
+FOLDER = "kubernetes"  # in the run: pytorchjob.yaml, then pytorchjob-r<N>.yaml for the Nth --resume
 NOT_STARTED = "not-started"  # status.json's state: the manifests are written, nothing was applied
 SCRATCH = "/dtrain"  # an emptyDir in each pod: the agent's folder (checkpoint directory, stop file, metrics)
 # Set by the operator on every pod of a job with a Master (training-operator v1.7+, pkg/controller.v1/pytorch).
@@ -202,18 +202,23 @@ class OnKubernetes:
                 f"a run on Kubernetes cluster {plan.cluster.name!r} needs a bucket its pods reach: set bucket = "
                 f'"gs://..." in [clusters.{plan.cluster.name}] or pass --output gs://BUCKET/PREFIX (not {t.run.url})'
             )
+        if t.resumed:  # a new PyTorchJob (a name of its own) that counts the starts the pods could not record
+            earlier = [n for n in t.run.list(f"{FOLDER}/") if n.startswith(f"{FOLDER}/") and n.endswith(".yaml")]
+            t = dataclasses.replace(t, restarts=max(t.restarts, len(earlier)))
+            plan = dataclasses.replace(plan, target=t)
         manifest = render(plan)
-        name, url = manifest["metadata"]["name"], t.run.child(MANIFEST).url
-        t.run.write_bytes(MANIFEST, (to_yaml(manifest) + "\n").encode())
+        rel = f"{FOLDER}/pytorchjob{f'-r{t.restarts}' if t.restarts else ''}.yaml"
+        name, url = manifest["metadata"]["name"], t.run.child(rel).url
+        t.run.write_bytes(rel, (to_yaml(manifest) + "\n").encode())
         nodes = len(plan.cluster.nodes)
         if not t.resumed and not job.builtin:  # a built-in writes its own when it starts in the pod
             write_json(t.run, "config.json", program_config(t, job, cluster=plan.cluster.name, nodes=nodes,
                                                             nproc=int(manifest["spec"]["nprocPerNode"])))  # fmt: skip
         apply = apply_line(url)
         note = f"manifests written ({url}); dtrain does not apply or watch Kubernetes jobs: start it with `{apply}`"
-        runrecord.update_status(t.run, {"state": NOT_STARTED, "starts": t.restarts, "note": note,
-                                        "kubernetes": {"kind": KIND, "name": name, "manifest": url}},
-                                drop=runrecord.END_FIELDS)  # fmt: skip
+        # No start is counted (nobody knows whether or when the pods start); a resumed run keeps its count.
+        fields = {"state": NOT_STARTED, "note": note, "kubernetes": {"kind": KIND, "name": name, "manifest": url}}
+        runrecord.update_status(t.run, fields if t.resumed else {**fields, "starts": 0}, drop=runrecord.END_FIELDS)
         runrecord.append_events(t.run, [runrecord.event_row("manifests", note, job_kind=KIND, name=name)])
         left = sorted(k for k in LEFT_OUT if k in plan.job.env or _forwarded(k))
         if left:
