@@ -397,3 +397,28 @@ def test_each_resume_is_a_new_job_that_puts_the_checkpoints_back(tmp_path: Path,
         "kubernetes/pytorchjob-r2.yaml",
         "kubernetes/pytorchjob.yaml",
     ]
+
+
+def test_rendering_needs_neither_torch_nor_the_sdk_nor_a_yaml_library(tmp_path: Path, gcs_bucket: str) -> None:
+    """`dtrain train --cluster k8s` renders and writes the manifest in a CLI process that imports (or even tries)
+    none of torch, the Kubernetes client, the Kubeflow SDK or PyYAML: they are the tests' only."""
+    heavy = ("torch", "kubernetes", "kubeflow", "yaml")
+    probe = (
+        "import json, sys\n"
+        f"heavy = {heavy!r}\n"
+        "tried = []\n"
+        "class Record:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if any(name == h or name.startswith(h + '.') for h in heavy):\n"
+        "            tried.append(name)\n"
+        "sys.meta_path.insert(0, Record())\n"
+        "from dtrain.cli.main import run\n"
+        "code = run(['train', 'mnist', '--cluster', 'k8s'])\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in heavy)\n"
+        "print('\\nPROBE ' + json.dumps([code, loaded, sorted(set(tried))]))\n"
+    )
+    root = project(tmp_path, gcs_bucket)
+    p = subprocess.run([sys.executable, "-c", probe], cwd=root, env=run_env(tmp_path), capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert "kubectl apply -f -" in p.stdout, p.stdout + p.stderr
+    assert json.loads(p.stdout.rsplit("PROBE ", 1)[1]) == [int(ExitCode.USAGE), [], []]
