@@ -170,6 +170,8 @@ def test_train_writes_a_pytorchjob_the_sdk_reads_and_starts_nothing(tmp_path: Pa
         assert args.rdzv_conf.startswith(f"is_host={int(role == 'Master')},")
         assert args.local_addr == env["DTRAIN_POD_NAME"] and spec["ifname_for"] == env["DTRAIN_POD_NAME"]
         assert spec["argv"][module + 1] == "dtrain.mnist.train" and "--epochs" in spec["argv"]
+        # people read the pods' output (kubectl logs): no progress or resource lines meant for a launcher
+        assert env["DTRAIN_INTERNAL_PROGRESS"] == "0" and spec["resources"] == {"interval_s": 0}
 
     # The run's record: manifests written, not started; no exit code, no start counted.
     run = open_store(url)

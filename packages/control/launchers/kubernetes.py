@@ -79,6 +79,7 @@ def agent_spec(plan: Plan, cluster: Cluster, role: str, nproc: int) -> tuple[dic
     spec = program_spec(plan, plan.target, inner, node, rank=0 if role == "Master" else _NODE_RANK, nproc=nproc,  # type: ignore[arg-type]
                         threads=max(1, cpus // nproc), restore=restore, gpus=node.gpus)  # fmt: skip
     env = {k: str(v) for k, v in spec.pop("env").items() if k not in LEFT_OUT and not _loopback(k, str(v))}
+    env["DTRAIN_INTERNAL_PROGRESS"] = "0"  # plain lines for kubectl logs: no launcher reads a progress line here
     per_pod = {k: v for k, v in env.items() if _NODE_RANK in v or _POD_NAME in v}
     text = literal(json.dumps({**spec, "env": per_pod}))
     for stand_in, ref in ((_NODE_RANK, NODE_RANK_REF), (_POD_NAME, POD_NAME_REF)):
@@ -139,6 +140,7 @@ def render(plan: Plan) -> dict[str, Any]:
     nodes = len(cluster.nodes)
     nproc = plan.nproc or int(cluster.options.get("nproc") or 1)
     name = job_name(plan.target.run_id, plan.target.restarts)
+    plan = dataclasses.replace(plan, sample_interval=0)  # no launcher records the agents' resource rows here
     master = dataclasses.replace(cluster.nodes[0], name=f"{name}-master-0", address=f"{name}-master-0")
     cluster = dataclasses.replace(cluster, nodes=(master, *cluster.nodes[1:]))
     replicas = {"Master": replica(plan, cluster, "Master", 1, nproc)}
