@@ -2,7 +2,7 @@
 Master and nodes - 1 Workers) and written into the run, for the user's kubectl to apply. dtrain reaches no API
 server: it applies nothing, watches nothing and queues nothing, and its run record says so (status.json state
 "not-started", an events.jsonl row); `dtrain train` ends with exit 2, as a refusal does (docs/cluster.md,
-"Kubernetes"; the reasons in docs/decisions.md, "Kubernetes: PyTorchJob").
+"Kubernetes (manifests only)"; the reasons in docs/decisions.md, "Kubernetes: PyTorchJob").
 
 Each pod runs the same node agent, spec and environment contract as container mode over SSH
 (remote_program.program_spec, remote.node_spec, common.launch.torchrun_argv): `python3 -m dtrain.common.nodeagent run
@@ -40,7 +40,8 @@ PORT_NAME = "pytorchjob-port"  # the port it sets MASTER_PORT from
 FOLDER = "kubernetes"  # in the run: pytorchjob.yaml, then pytorchjob-r<N>.yaml for the Nth --resume
 NOT_STARTED = "not-started"  # status.json's state: the manifests are written, nothing was applied
 SCRATCH = "/dtrain"  # an emptyDir in each pod: the agent's folder (checkpoint directory, stop file, metrics)
-# Set by the operator on every pod of a job with a Master (training-operator v1.7+, pkg/controller.v1/pytorch).
+# What only the pod knows: its node rank (the operator sets PET_NODE_RANK on every pod of a job with a Master:
+# training-operator v1.7+, pkg/controller.v1/pytorch/envvar.go) and its name (the downward API, in the template).
 NODE_RANK_REF, POD_NAME_REF = "$(PET_NODE_RANK)", "$(DTRAIN_POD_NAME)"
 _NODE_RANK, _POD_NAME = "\x00node-rank\x00", "\x00pod-name\x00"  # stand-ins while the spec is built
 LEFT_OUT = frozenset({*SECRET_ENV, "HF_TOKEN"})
