@@ -144,3 +144,36 @@ def test_submit_refuses_a_cluster_without_a_queue_before_starting_it(
         submit(req, events=Collector(), handle=Handle())
     assert started == []
 
+
+@pytest.mark.parametrize("queue", [False, True])
+def test_eval_on_a_stopped_cluster_starts_it_first(
+    queue: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dtrain eval --cluster` (on its master, or queued with --queue) starts a stopped cluster first, through the
+    same backends.start_if_stopped, and works on the addresses that gave."""
+    from dtrain.common.storage import open_store
+    from dtrain.control import backends, evals
+    from dtrain.control.settings import cluster_config
+    from dtrain.control.slurm import submit as slurm_submit
+
+    monkeypatch.chdir(tmp_path)
+    cfg = cluster_config(_gcp_cluster(tmp_path, monkeypatch), "demo")
+    started = _stopped(monkeypatch)
+    seen: list[Any] = []
+    monkeypatch.setattr(evals, "run_module", lambda target, argv, **kw: (seen.append(target.cluster), (0, ""))[1])
+
+    def submit_module(cluster: Any, **kw: Any) -> Any:
+        seen.append(cluster)
+        return slurm_submit.SubmitResult("7", "e", kw["workload"], kw["run_id"], kw["url"], "demo", 1, "dtrain", False)
+
+    monkeypatch.setattr(slurm_submit, "submit_module", submit_module)
+    run = open_store(str(tmp_path / "runs" / "mnist-20260101-000000-abcd"))
+    target = evals.EvalTarget(run, {"workload": "mnist"}, backends.resolve(cfg), False, cfg)
+    plan = evals.EvalPlan("eval-20260101-000000-abcd", target, ["eval", run.url])
+    if queue:
+        assert evals.submit_eval(plan, events=Collector(), handle=Handle()).job_id == "7"
+    else:
+        evals.run_eval(plan, events=Collector(), handle=Handle())
+    assert started == ["demo"]
+    (cluster,) = seen
+    assert cluster.master.address == "10.0.0.9"
