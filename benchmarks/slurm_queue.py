@@ -155,9 +155,9 @@ def metrics(run: Path) -> list[dict[str, Any]]:
 
 
 def queued_run(output: Path, results: dict[str, Path]) -> None:
+    from dtrain.control.launch import submit
     from dtrain.control.settings import load_cluster
     from dtrain.control.slurm.joblist import list_jobs
-    from dtrain.control.slurm.submit import submit
 
     r = submit(request("bed", output, **SPEED_FLAGS), events=Events(), handle=Handle())
     cluster = load_cluster(None, "bed")

@@ -96,8 +96,8 @@ def _queue(request: Any, as_json: bool) -> None:
     from dtrain.control.events import Events
 
     events = Events(lambda ev: console.err.print(ev.message, markup=False, highlight=False) if ev.message else None)
-    with console.operation() as (_terminal, _handle):
-        q = queue_eval(request, events=events)
+    with console.operation() as (_terminal, handle):
+        q = queue_eval(request, events=events, handle=handle)
     if as_json:
         print(json.dumps(dataclasses.asdict(q)), flush=True)
         return

@@ -53,9 +53,8 @@ def _cluster(name: str | None) -> Any:
 
 def _submit(workload: str, flags: dict[str, Any], given: dict[str, Any]) -> None:
     from dtrain.control.events import Events
-    from dtrain.control.launch import LaunchRequest
+    from dtrain.control.launch import LaunchRequest, submit
     from dtrain.control.slurm.spec import check_time
-    from dtrain.control.slurm.submit import submit
 
     request = LaunchRequest(
         workload=workload,
@@ -66,11 +65,12 @@ def _submit(workload: str, flags: dict[str, Any], given: dict[str, Any]) -> None
         oversubscribe=given["oversubscribe"],
         debug=console.state.debug,
         time=check_time(given["time"], "--time") if given["time"] else "",
+        nodes=given["nodes"] or 0,
     )
     # stdout carries the job id alone (for scripts): what submit reports goes to stderr.
     events = Events(lambda ev: console.err.print(ev.message, markup=False, highlight=False) if ev.message else None)
     with console.operation() as (_terminal, handle):
-        r = submit(request, nodes=given["nodes"] or 0, name=given["name"] or "", events=events, handle=handle)
+        r = submit(request, name=given["name"] or "", events=events, handle=handle)
     _queued(r)
 
 
@@ -108,7 +108,7 @@ def submit_program(ctx: typer.Context) -> None:
     """Queue a script, module, job table or command (see `dtrain submit --help`)."""
     from dtrain.control.events import Events
     from dtrain.control.jobs_file import program_request
-    from dtrain.control.slurm.programs import submit_program as control_submit
+    from dtrain.control.launch import submit as control_submit
 
     argv = ctx.meta.get(PROGRAM_ARGV, list(ctx.args))
     if argv and argv[0] in ("-h", "--help"):

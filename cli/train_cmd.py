@@ -192,8 +192,8 @@ def program(ctx: typer.Context) -> None:
 def run_program(argv: list[str]) -> int:
     """`dtrain train` of a user's program: parse its line, resolve a job table, run it, report."""
     from dtrain.control.jobs_file import program_request
+    from dtrain.control.launch import launch as control_launch
     from dtrain.control.launch_result import next_step
-    from dtrain.control.userjob import launch_program
 
     if argv and argv[0] in ("-h", "--help"):
         console.out.print(app.info.help, highlight=False)
@@ -202,7 +202,7 @@ def run_program(argv: list[str]) -> int:
         argv, console.state.config_path, tty=sys.stdout.isatty(), debug=console.state.debug
     )
     with console.operation() as (events, handle):
-        result = launch_program(request, events=events, handle=handle)
+        result = control_launch(request, events=events, handle=handle)
     message = next_step(result, program=True)
     if message and result.ok:
         console.out.print(message, highlight=False)

@@ -77,6 +77,7 @@ class EvalTarget:
     saved: dict[str, Any]  # the run's config.json
     cluster: Cluster | None  # None: this machine
     accept_new_host_keys: bool = False
+    config: Any = None  # the cluster's table (a settings.ClusterConfig): where it is started from if stopped
 
     @property
     def workload(self) -> str:
@@ -97,7 +98,8 @@ def resolve(req: RunRequest) -> EvalTarget:
     from dtrain.control.settings import get_cluster, load_settings, run_output
 
     settings = load_settings(req.config_path, {"run.output": req.output, "run.cluster": req.cluster})
-    where = backends.resolve(get_cluster(settings))
+    cfg = get_cluster(settings)
+    where = backends.resolve(cfg)
     out = run_output(settings, where)  # a gcp cluster's runs are in its bucket
     run = locate(out, req.run)
     saved = records.run_config(run)
@@ -114,7 +116,18 @@ def resolve(req: RunRequest) -> EvalTarget:
             f"run {run.url} is on this machine, out of reach of cluster {where.name!r}: evaluate it here (leave out "
             f"--cluster), or keep runs in a gs:// bucket (or set shared_fs = true in [clusters.{where.name}])"
         )
-    return EvalTarget(run, saved, where, req.accept_new_host_keys)
+    return EvalTarget(run, saved, where, req.accept_new_host_keys, cfg)
+
+
+def started(target: EvalTarget, *, events: Events, handle: Handle) -> EvalTarget:
+    """The target with its cluster started if its backend made it and it is stopped (backends.start_if_stopped,
+    as for `dtrain train` and `submit`), and the nodes' addresses that left; after every refusal, before any
+    work."""
+    from dtrain.control import backends
+
+    if target.cluster is None or not backends.start_if_stopped(target.config, events=events, handle=handle):
+        return target
+    return dataclasses.replace(target, cluster=backends.resolve(target.config))
 
 
 def _common_argv(target: EvalTarget, req: RunRequest) -> list[str]:
@@ -181,9 +194,11 @@ def plan_eval(req: EvalRequest) -> EvalPlan:
 
 
 def run_eval(plan: EvalPlan, *, events: Events, handle: Handle) -> dict[str, Any]:
-    """Run the planned evaluation to its end; returns its record (eval/<id>.json)."""
+    """Run the planned evaluation to its end (its cluster started first if it is stopped); returns its record
+    (eval/<id>.json)."""
     try:
-        code, error = run_module(plan.target, plan.argv, label=plan.eval_id, events=events, handle=handle)
+        target = started(plan.target, events=events, handle=handle)
+        code, error = run_module(target, plan.argv, label=plan.eval_id, events=events, handle=handle)
     except UserError as e:  # it never started (a node out of reach): say so in the record too
         code, error = int(e.exit_code), str(e)
     record = records.read_record(plan.target.run, plan.eval_id) or {}
@@ -222,19 +237,21 @@ class QueuedEval:
     workload: str  # the job's: eval:<the run's workload>
 
 
-def submit_eval(plan: EvalPlan, *, events: Events) -> QueuedEval:
+def submit_eval(plan: EvalPlan, *, events: Events, handle: Handle | None = None) -> QueuedEval:
     """Queue the planned evaluation as a one-node Slurm job on its cluster (plan_eval with queue=True) and
     return at once with the job id: the job runs the same `python -m dtrain.evaluate eval ...` line as
     run_eval does on the master, so it writes the same record. The job's files are in
-    <workdir>/runs/<eval id> on the nodes; `dtrain jobs` shows it as eval:<workload> of the run."""
+    <workdir>/runs/<eval id> on the nodes; `dtrain jobs` shows it as eval:<workload> of the run. A stopped cluster
+    is started first."""
     from dtrain.control.slurm.submit import submit_module
 
     target = plan.target
     need_slurm(target)
-    assert target.cluster is not None
     workload = f"eval:{target.workload}"
     run_id = target.run.url.rstrip("/").rsplit("/", 1)[-1]
     try:
+        target = started(target, events=events, handle=handle or Handle())
+        assert target.cluster is not None
         sub = submit_module(
             target.cluster,
             module=MODULE,
@@ -255,9 +272,9 @@ def submit_eval(plan: EvalPlan, *, events: Events) -> QueuedEval:
     return QueuedEval(plan.eval_id, sub.job_id, sub.cluster, sub.partition, run_id, target.run.url, workload)
 
 
-def queue_eval(req: EvalRequest, *, events: Events) -> QueuedEval:
+def queue_eval(req: EvalRequest, *, events: Events, handle: Handle | None = None) -> QueuedEval:
     """plan_eval, then submit_eval: `dtrain eval --queue`."""
-    return submit_eval(plan_eval(dataclasses.replace(req, queue=True)), events=events)
+    return submit_eval(plan_eval(dataclasses.replace(req, queue=True)), events=events, handle=handle)
 
 
 def list_evals(output: str, run_ref: str) -> list[dict[str, Any]]:
@@ -289,6 +306,7 @@ def export(req: ExportRequest, *, events: Events, handle: Handle) -> dict[str, A
     need_torch_here(target)
     argv = ["export", *_common_argv(target, req), "--onnx", "--exporter", exporter]
     events.emit("launch", f"exporting {target.run.url} to ONNX")
+    target = started(target, events=events, handle=handle)
     code, error = run_module(target, argv, label="export", events=events, handle=handle)
     if code != 0:
         raise UserError(error or f"the export exited with {code}; its output is above", exit_code=_exit_code(code))

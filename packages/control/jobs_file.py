@@ -28,12 +28,12 @@ LAUNCH_OPTIONS = ("image", "accept_new_host_keys", "oversubscribe")
 def program_request(
     argv: Sequence[str], config_path: Path | None, *, submit: bool = False, tty: bool = False, debug: bool = False
 ) -> tuple[Any, dict[str, Any]]:
-    """(a userjob.ProgramRequest, the launch-only options) for `dtrain train ARGV` or `dtrain submit ARGV`:
+    """(a launch.LaunchRequest, the launch-only options) for `dtrain train ARGV` or `dtrain submit ARGV`:
     resolve_job's job and flags, with its launch options put where the request takes them."""
-    from dtrain.control.userjob import ProgramRequest
+    from dtrain.control.launch import LaunchRequest
 
     job, flags, launch = resolve_job(argv, config_path, submit=submit)
-    request = ProgramRequest(
+    request = LaunchRequest(
         job=job,
         flags=flags,
         config_path=config_path,

@@ -1,28 +1,51 @@
-"""Start a workload where the settings say: on this machine, or on every node of a cluster.
+"""The front door of every job: `dtrain train`, `dtrain submit` and the dashboard's POST /jobs build one
+`LaunchRequest`, and `resolve` turns it into a launchers.Plan, once, in one place.
 
     result = launch(LaunchRequest(workload="mnist", flags={"mnist.epochs": 3}), events=Events(), handle=Handle())
+    result = launch(LaunchRequest(job=job, flags={"run.cluster": "lab"}), events=..., handle=...)   # a program
+    queued = submit(LaunchRequest(workload="mnist", nodes=2, flags={"run.cluster": "demo"}), events=..., handle=...)
 
-The request carries what the user gave (settings keys -> values; None: not given); the settings
-are resolved here, once, with a resumed run's saved config beneath the file, environment and
-flags. The cluster's backend decides how the job starts (its Cluster's `launcher`). Progress comes
-as events, stopping goes through the handle, and the job's exit code comes back in the result.
+The request carries what the user gave (settings keys -> values; None: not given). `resolve` reads the
+settings, starts the cluster if its backend made it and it is stopped (autostop), and turns a built-in into
+a program right there (`builtin_job`: its module under torchrun with its flags, its settings resolved with a
+resumed run's saved config beneath the file, environment and flags). Below it there is one kind of job: a
+Plan, which every launcher carries out the same way whatever program it holds. Progress comes as events,
+stopping goes through the handle, and the job's exit code comes back in the result.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from dtrain.common import jobenv
 from dtrain.common.errors import UserError
+from dtrain.common.jobenv import STOP_GRACE_S
 from dtrain.control.events import Events, Handle
 from dtrain.control.launch_result import LaunchResult
+
+if TYPE_CHECKING:
+    from dtrain.control.launchers import Feature, Plan
+    from dtrain.control.program import Job
+    from dtrain.control.slurm.submit import SubmitResult
+
+
+def _grace_s() -> float:
+    """The stop grace period (SIGTERM, then this long before SIGKILL); DTRAIN_INTERNAL_STOP_GRACE_S shortens it
+    for tests."""
+    return float(os.environ.get("DTRAIN_INTERNAL_STOP_GRACE_S", STOP_GRACE_S))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LaunchRequest:
-    workload: str
+    """One job as the user asked for it: a built-in by its name (`workload`, its settings among `flags`), or a
+    user's program (`job`, from dtrain.control.jobs_file.program_request, with its [run] settings in `flags`)."""
+
+    workload: str = ""
+    job: Job | None = None
     flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # settings key -> value or None
     config_path: Path | None = None  # --config; None: ./dtrain.toml if there is one
     image: str = ""  # run in this Docker image on every node of the cluster (container mode)
@@ -30,33 +53,126 @@ class LaunchRequest:
     oversubscribe: bool = False  # allow more processes than cores (or GPUs)
     tty: bool = False  # the job's output goes to a terminal: rank 0 draws a live progress bar
     debug: bool = False  # keep torchrun's own logs
+    # A built-in's --time and --nodes (`dtrain submit mnist`); a program's are in its job (its line, its table).
     time: str = ""  # a Slurm job's --time ("": the cluster table's); Slurm clusters only
+    nodes: int = 0
+    grace_s: float = dataclasses.field(default_factory=_grace_s)
+
+    def __post_init__(self) -> None:
+        if bool(self.workload) == (self.job is not None):
+            raise ValueError("a LaunchRequest names a built-in (workload) or holds a program (job), not both")
 
 
-@dataclasses.dataclass(frozen=True)
-class Resolved:
-    """A request's settings resolved once: the cluster it goes to, where its run goes, the run it resumes."""
-
-    settings: Any  # dtrain.control.settings.Settings, with a resumed run's config beneath the rest
-    cluster: Any  # dtrain.control.cluster.Cluster
-    output: str
-    resumed: Any  # the resumed run's Store, or None
+def resolve(req: LaunchRequest, *, events: Events, handle: Handle, needs: tuple[Feature, ...] = ()) -> Plan:
+    """The request resolved once into a launchers.Plan: the one plan builder for every job. Every refusal comes
+    first (bad input, a feature in `needs` that its cluster's launcher lacks), before anything is reached; then
+    a cluster that its backend made and that is stopped (autostop) is started, and the plan made again from the
+    record that left (a node's address may change)."""
+    return _resolved(req, events=events, handle=handle, needs=needs)[0]
 
 
-def resolve(req: LaunchRequest) -> Resolved:
-    """Resolve the settings, the cluster (its backend) and the output, locate a --resume run and put its
-    saved config beneath the file, environment and flags, and validate the workload's whole config."""
-    from dtrain.common.rundir import locate, read_json
+def _resolved(
+    req: LaunchRequest, *, events: Events, handle: Handle, needs: tuple[Feature, ...] = ()
+) -> tuple[Plan, Any]:
+    from dtrain.control import backends
+
+    plan, settings, cfg = _plan(req, needs)
+    if backends.start_if_stopped(cfg, events=events, handle=handle):
+        plan, settings, cfg = _plan(req, needs)
+    return plan, settings
+
+
+def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResult:
+    """Run the job to its end where the settings say, through its cluster's launcher; the job's exit code."""
+    from dtrain.control import launchers
+
+    plan, settings = _resolved(req, events=events, handle=handle)
+    result = launchers.get(plan.cluster.launcher).launch(plan, events=events, handle=handle)
+    if req.workload and getattr(settings.workload(req.workload), "show_example", False):
+        # --show-example prints an example and exits before a run directory is made: no run to point at
+        return dataclasses.replace(result, run_id="", url="")
+    return result
+
+
+def submit(req: LaunchRequest, *, name: str = "", events: Events, handle: Handle) -> SubmitResult:
+    """Queue the job on its cluster's queue (Slurm) and return at once with the job id."""
+    from dtrain.control.launchers import Feature
+    from dtrain.control.slurm.programs import submit_plan
+
+    plan = resolve(req, events=events, handle=handle, needs=(Feature.QUEUE,))
+    return submit_plan(plan, name=name, events=events)
+
+
+def _plan(req: LaunchRequest, needs: tuple[Feature, ...] = ()) -> tuple[Plan, Any, Any]:
+    """The Plan of `req` (nothing started, nothing written), the settings it was made from and its cluster's
+    table (a settings.ClusterConfig)."""
     from dtrain.control import backends, launchers
+    from dtrain.control.program import check_program
     from dtrain.control.settings import get_cluster, load_settings, run_output
+    from dtrain.control.userjob import program_target
 
-    workload = req.workload
+    if req.job is not None:
+        check_program(req.job)
     settings = load_settings(req.config_path, req.flags)
     cfg = get_cluster(settings)
     cluster = backends.get(cfg.backend).cluster(cfg)
+    for feature in needs:
+        launchers.require(cluster, feature)
+    # Container mode on every launcher that has nodes (here.py refuses it); --time; an image where one is needed.
+    cluster = launchers.job_cluster(cluster, image=req.image, time=req.job.time if req.job is not None else req.time)
     output = run_output(settings, cluster)  # a gcp cluster's runs go to its bucket
-    # The same refusals and container mode as a user's program's (--image, --time, a cluster that needs an image).
-    cluster = launchers.job_cluster(cluster, image=req.image, time=req.time)
+    if req.job is not None:
+        job, mounts, line, own_config = req.job, (), req.job.program.describe(), False
+        if settings.run.tracker and jobenv.TRACKERS not in job.env:  # what dtrain.sdk.log reports to: docs/trackers.md
+            names = ",".join(k.value for k in settings.run.tracker)
+            job = dataclasses.replace(job, env={**job.env, jobenv.TRACKERS: names})
+        target = program_target(job, output, settings.run.run_id, settings.run.resume)
+    else:  # a built-in becomes a program here; its flags are its config, which it writes in config.json itself
+        settings, job, target, mounts = builtin_job(req, settings, output)
+        line, own_config = "", True
+    # A queue's nodes are its scheduler's to pick (Slurm's, from its partition, which is checked there).
+    if job.nodes and not launchers.has(cluster, launchers.Feature.QUEUE):
+        if job.nodes > len(cluster.nodes):
+            raise UserError(
+                f"--nodes {job.nodes} is more than cluster {cluster.name or 'this machine'}'s "
+                f"{len(cluster.nodes)} node(s)"
+            )
+        cluster = dataclasses.replace(cluster, nodes=cluster.nodes[: job.nodes])
+    plan = launchers.Plan(
+        job=job,
+        target=target,
+        cluster=cluster,
+        own_config=own_config,
+        line=line,
+        nproc=settings.launch.nproc,
+        max_restarts=settings.launch.max_restarts,
+        hang_timeout=settings.launch.hang_timeout_s,
+        startup_timeout=settings.launch.startup_timeout,
+        sample_interval=settings.launch.sample_interval,
+        image=req.image,
+        accept_new_host_keys=req.accept_new_host_keys,
+        oversubscribe=req.oversubscribe,
+        tty=req.tty,
+        debug=req.debug,
+        grace_s=req.grace_s,
+        mounts=mounts,
+    )
+    return plan, settings, cfg
+
+
+def builtin_job(req: LaunchRequest, settings: Any, output: str) -> tuple[Any, Job, Any, tuple[tuple[str, str], ...]]:
+    """A built-in as a program: (its settings with a resumed run's saved config beneath the file, environment and
+    flags, validated as a whole; its Job: its module under torchrun with its flags; its run, placed as a program's
+    is; the node paths its flags name, mounted at the same place in container mode)."""
+    from dtrain.common.config import to_argv
+    from dtrain.common.rundir import locate, read_json, run_location
+    from dtrain.control.program import MODULE, Job, Program
+    from dtrain.control.remote import node_paths
+    from dtrain.control.settings import load_settings
+    from dtrain.control.userjob import Target
+    from dtrain.control.workloads import builtin
+
+    workload = req.workload
     resumed = None
     if settings.run.resume:
         # The run's own config sits beneath the file, environment and flags.
@@ -67,67 +183,16 @@ def resolve(req: LaunchRequest) -> Resolved:
         flat = saved.get("config") or {}
         settings = load_settings(req.config_path, req.flags, saved=(f"{resumed.url}/config.json", workload, flat))
     settings.workload(workload)  # validate the whole workload config before starting anything
-    return Resolved(settings, cluster, output, resumed)
-
-
-def launch(req: LaunchRequest, *, events: Events, handle: Handle) -> LaunchResult:
-    """Resolve the settings and run the built-in to its end, through its cluster's launcher like any program
-    (its module under torchrun, with its flags); returns the job's exit code."""
-    from dtrain.control import launchers
-
-    r = resolve(req)  # the cluster as the job sees it (launchers.job_cluster)
-    plan = builtin_plan(req, r)
-    result = launchers.get(r.cluster.launcher).launch(plan, events=events, handle=handle)
-    if getattr(r.settings.workload(req.workload), "show_example", False):
-        # --show-example prints an example and exits before a run directory is made: no run to point at
-        return dataclasses.replace(result, run_id="", url="")
-    return result
-
-
-def builtin_plan(req: LaunchRequest, r: Resolved) -> Any:
-    """A built-in as a launchers.Plan, the shape of a user's program: its module under torchrun with its flags,
-    its run placed as a program's (builtin_target). `dtrain train` and `dtrain submit` both start from it."""
-    from dtrain.common.config import to_argv
-    from dtrain.control import launchers
-    from dtrain.control.program import MODULE, Job, Program
-    from dtrain.control.remote import node_paths
-    from dtrain.control.workloads import builtin
-
-    target, args = builtin_target(req.workload, r)
-    job = Job(
-        name=req.workload,
-        program=Program(kind=MODULE, target=builtin(req.workload).module, args=tuple(to_argv(args))),
-        builtin=req.workload,
-        time=req.time,
-    )
-    return launchers.Plan(
-        job=job,
-        target=target,
-        cluster=r.cluster,
-        nproc=r.settings.launch.nproc,
-        max_restarts=r.settings.launch.max_restarts,
-        hang_timeout=r.settings.launch.hang_timeout_s,
-        startup_timeout=r.settings.launch.startup_timeout,
-        image=req.image,
-        accept_new_host_keys=req.accept_new_host_keys,
-        oversubscribe=req.oversubscribe,
-        tty=req.tty,
-        debug=req.debug,
-        mounts=tuple(sorted(node_paths(args, target.run.url).items())),
-    )
-
-
-def builtin_target(workload: str, r: Resolved) -> tuple[Any, dict[str, Any]]:
-    """A built-in's run, placed as a program's is (dtrain.control.userjob.Target), and its module's flags: the
-    settings given, and where the run lives (`--run-dir`; `--resume` when it continues one)."""
-    from dtrain.common.rundir import read_json, run_location
-    from dtrain.control.userjob import Target
-
-    explicit = dict(r.settings.explicit(workload))
-    if r.resumed is not None:
-        run = r.resumed
-        status = read_json(run, "status.json") or {}
-        target = Target(run.url.rstrip("/").rsplit("/", 1)[-1], run, int(status.get("starts", 1)), True)
-        return target, {**explicit, "output": r.output, "resume": run.url, "run_dir": run.url}
-    run_id, run = run_location(workload, r.output, explicit.get("run_id") or "")
-    return Target(run_id, run, 0, False), {**explicit, "output": r.output, "run_id": run_id, "run_dir": run.url}
+    # Its flags: the settings given, and where the run lives (`--run-dir`; `--resume` when it continues one).
+    explicit = dict(settings.explicit(workload))
+    if resumed is not None:
+        status = read_json(resumed, "status.json") or {}
+        target = Target(resumed.url.rstrip("/").rsplit("/", 1)[-1], resumed, int(status.get("starts", 1)), True)
+        args = {**explicit, "output": output, "resume": resumed.url, "run_dir": resumed.url}
+    else:
+        run_id, run = run_location(workload, output, explicit.get("run_id") or "")
+        target = Target(run_id, run, 0, False)
+        args = {**explicit, "output": output, "run_id": run_id, "run_dir": run.url}
+    program = Program(kind=MODULE, target=builtin(workload).module, args=tuple(to_argv(args)))
+    job = Job(name=workload, program=program, nodes=req.nodes, time=req.time)
+    return settings, job, target, tuple(sorted(node_paths(args, target.run.url).items()))

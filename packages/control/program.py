@@ -102,7 +102,7 @@ class Program:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Job:
-    """A program and what surrounds it on the nodes. `workdir` None: dtrain's own code (a built-in)."""
+    """A program and what surrounds it on the nodes. `workdir` None: dtrain's own code (a built-in's module)."""
 
     name: str  # the run id's prefix: the job table's name, the script's stem, the command's first word
     program: Program
@@ -112,7 +112,6 @@ class Job:
     nodes: int = 0
     checkpoint_dir: str = ""  # relative to workdir; "" is dtrain's own per-run directory
     code_limit_mb: int = 0  # the most the working directory may hold to sync; 0: codesync's default
-    builtin: str = ""  # the built-in workload's name (its config, eval and export hang off it)
     time: str = ""  # a Slurm job's --time ("": the cluster table's); not saved with the run
 
     def to_json(self) -> dict[str, Any]:
@@ -125,7 +124,6 @@ class Job:
             "nodes": self.nodes,
             "checkpoint_dir": self.checkpoint_dir,
             "code_limit_mb": self.code_limit_mb,
-            "builtin": self.builtin,
         }
 
 

@@ -229,7 +229,7 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
             f"a run on {len(cluster.nodes)} nodes needs --output that every node reaches: a gs://bucket/prefix "
             f"(or set shared_fs = true in [clusters.{cluster.name}] if it is a shared filesystem)"
         )
-    image = cluster.image  # container mode (--image is the cluster's by now: userjob.program_plan)
+    image = cluster.image  # container mode (--image is the cluster's by now: launch.resolve)
     exclude = sync_excludes(job, t.run.url) if job.workdir is not None else []
     archive, digest = code_archive()  # in container mode too: the agent inside, the SDK and the mirror
     logs = LogFiles(t.run_id, t.run)
@@ -281,8 +281,7 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
                     i = infos[node.name]
                     processes(n, gpus=i.gpus, cpus=i.cpus, oversubscribe=req.oversubscribe, where=f"node {node.name}")
             before = record_start(
-                t,
-                job,
+                plan,
                 cluster=cluster.name,
                 nodes=len(cluster.nodes),
                 nproc=n,
@@ -306,7 +305,7 @@ def launch_program_cluster(plan: Any, *, events: Events, handle: Handle) -> int:
                     + (f" x {n} process(es) under torchrun" if torchrun else ", the command once per node")
                     + (f", image {image}" if image else "")
                     + f", dtrain code {digest} (ready in {time.monotonic() - t0:.1f} s)"
-                    + ("" if job.builtin else f": {job.program.describe()}"),
+                    + (f": {plan.line}" if plan.line else ""),
                     run_id=t.run_id,
                     workload=job.name,
                     nodes=len(cluster.nodes),

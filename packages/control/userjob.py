@@ -1,6 +1,7 @@
-"""Run the user's own program (a script, module, command or [jobs.NAME] table) where the settings say.
-
-    result = launch_program(ProgramRequest(job=job, flags={"run.cluster": "lab"}), events=Events(), handle=Handle())
+"""A job's run and its program on this machine: the run's place (`Target`, `program_target`), its records
+(`record_start`, `record_end`), dtrain's variables (`contract_env`), and the local launcher's work
+(`run_program_here`, `supervise`). A job reaches here as a launchers.Plan from the one front door,
+dtrain.control.launch (a built-in is a program by then).
 
 The run is the same as a built-in's: `<output>/<run id>/` with config.json (the job, written here
 before the program starts), status.json (state and exit code, written here when it ends),
@@ -29,38 +30,18 @@ from typing import Any
 
 from dtrain.common import jobenv, runrecord
 from dtrain.common.errors import ExitCode, UserError, stop_outcome
-from dtrain.common.jobenv import STOP_GRACE_S as SHUTDOWN_GRACE_S  # SIGTERM, then this long before SIGKILL
 from dtrain.common.launch import torchrun_argv
 from dtrain.common.procs import dies_with_parent
 from dtrain.common.rundir import CHECKPOINTS, CKPT_PREFIX, read_json, run_disk_full, write_json
 from dtrain.common.storage import DiskFull, Store, is_remote
 from dtrain.control.events import Events, Handle, Stop
-from dtrain.control.launch_result import LaunchResult
-from dtrain.control.program import Job, check_program, run_prefix
+from dtrain.control.program import Job, run_prefix
 
 # The copy interval of the checkpoint directory (tests shorten it; 30 s costs a long run nothing).
 MIRROR_INTERVAL_S = float(os.environ.get("DTRAIN_INTERNAL_MIRROR_INTERVAL_S", "30"))
 
 
-def _grace_s() -> float:
-    """The stop grace period; DTRAIN_INTERNAL_STOP_GRACE_S shortens it for tests."""
-    return float(os.environ.get("DTRAIN_INTERNAL_STOP_GRACE_S", SHUTDOWN_GRACE_S))
-
-
 POLL_S = 0.2
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ProgramRequest:
-    job: Job
-    flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # run.* settings keys -> value or None
-    config_path: Path | None = None
-    image: str = ""
-    accept_new_host_keys: bool = False
-    oversubscribe: bool = False
-    tty: bool = False
-    debug: bool = False
-    grace_s: float = dataclasses.field(default_factory=_grace_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,13 +85,14 @@ def program_config(t: Target, job: Job, *, cluster: str, nodes: int, nproc: int 
 
 
 def record_start(
-    t: Target, job: Job, *, cluster: str, nodes: int, nproc: int, hosts: tuple[str, ...] = ()
+    plan: Any, *, cluster: str, nodes: int, nproc: int, hosts: tuple[str, ...] = ()
 ) -> dict[str, Any] | None:
-    """config.json for a new run (a resumed one keeps its own; a built-in writes its own, with its whole resolved
-    config), and status.json: running, on `hosts` (dtrain.common.runrecord). Returns the status.json it replaced
-    (None: there was none)."""
+    """config.json for a new run of `plan` (a launchers.Plan; a resumed run keeps its own, and a program that
+    writes its own, `plan.own_config`, gets none), and status.json: running, on `hosts`
+    (dtrain.common.runrecord). Returns the status.json it replaced (None: there was none)."""
+    t, job = plan.target, plan.job
     try:
-        if not t.resumed and not job.builtin:
+        if not t.resumed and not plan.own_config:
             write_json(t.run, "config.json", program_config(t, job, cluster=cluster, nodes=nodes, nproc=nproc))
         here = os.uname().nodename
         return runrecord.record_start(t.run, starts=t.restarts + 1, host=here, pid=os.getpid(),
@@ -180,58 +162,6 @@ def contract_env(
     return env
 
 
-def launch_program(req: ProgramRequest, *, events: Events, handle: Handle) -> LaunchResult:
-    """Run the job to its end where the settings say; returns the job's exit code."""
-    from dtrain.control import launchers
-
-    plan = program_plan(req)
-    return launchers.get(plan.cluster.launcher).launch(plan, events=events, handle=handle)
-
-
-def program_plan(req: ProgramRequest) -> Any:
-    """The request resolved once (settings, cluster, output, the run) into a launchers.Plan: for `dtrain
-    train` (launch_program) and `dtrain submit` (dtrain.control.slurm.programs)."""
-    from dtrain.control import backends, launchers
-    from dtrain.control.settings import get_cluster, load_settings, run_output
-
-    job = req.job
-    check_program(job)
-    settings = load_settings(req.config_path, req.flags)
-    cfg = get_cluster(settings)
-    cluster = backends.get(cfg.backend).cluster(cfg)
-    # container mode on every launcher that has nodes (here.py refuses it); --time; an image where one is needed
-    cluster = launchers.job_cluster(cluster, image=req.image, time=job.time)
-    output = run_output(settings, cluster)
-    # A queue's nodes are its scheduler's to pick (Slurm's, from its partition, which is checked there).
-    if job.nodes and not launchers.has(cluster, launchers.Feature.QUEUE):
-        if job.nodes > len(cluster.nodes):
-            raise UserError(
-                f"--nodes {job.nodes} is more than cluster {cluster.name or 'this machine'}'s "
-                f"{len(cluster.nodes)} node(s)"
-            )
-        cluster = dataclasses.replace(cluster, nodes=cluster.nodes[: job.nodes])
-    if settings.run.tracker and jobenv.TRACKERS not in job.env:  # what dtrain.sdk.log reports to: docs/trackers.md
-        names = ",".join(k.value for k in settings.run.tracker)
-        job = dataclasses.replace(job, env={**job.env, jobenv.TRACKERS: names})
-    t = program_target(job, output, settings.run.run_id, settings.run.resume)
-    return launchers.Plan(
-        job=job,
-        target=t,
-        cluster=cluster,
-        nproc=settings.launch.nproc,
-        max_restarts=settings.launch.max_restarts,
-        hang_timeout=settings.launch.hang_timeout_s,
-        startup_timeout=settings.launch.startup_timeout,
-        sample_interval=settings.launch.sample_interval,
-        image=req.image,
-        accept_new_host_keys=req.accept_new_host_keys,
-        oversubscribe=req.oversubscribe,
-        tty=req.tty,
-        debug=req.debug,
-        grace_s=req.grace_s,
-    )
-
-
 def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
     """The program of `plan` (a launchers.Plan) on this machine, in its working directory (nothing to sync)."""
     from dtrain.common import deps
@@ -279,7 +209,7 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
     killed_box: list[bool] = []  # supervise had to SIGKILL the job
     mirrored = not (local_run and not job.checkpoint_dir)  # a local run's own folder needs no copy
     metrics_file = Path(t.run.url) / "metrics.jsonl" if local_run else node_dir / "metrics.jsonl"
-    before = record_start(t, job, cluster="", nodes=1, nproc=n)
+    before = record_start(plan, cluster="", nodes=1, nproc=n)
     if mirrored or not local_run:
         from dtrain.common.mirror import Forward, Mirror, restore
 
@@ -337,7 +267,7 @@ def run_program_here(plan: Any, *, events: Events, handle: Handle) -> int:
             if job.program.under_torchrun
             else "a command"
         )
-        + ("" if job.builtin else f": {job.program.describe()}"),
+        + (f": {plan.line}" if plan.line else ""),
         run_id=t.run_id,
         workload=job.name,
         nodes=1,

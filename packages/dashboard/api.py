@@ -195,9 +195,8 @@ def list_jobs(
 def submit_job(request: Request, body: JobBody) -> dict[str, Any]:
     """Checked and queued at once; the answer has the job id and where its run goes."""
     from dtrain.control.events import Events, Handle
-    from dtrain.control.launch import LaunchRequest
+    from dtrain.control.launch import LaunchRequest, submit
     from dtrain.control.settings import schema
-    from dtrain.control.slurm.submit import submit
     from dtrain.control.workloads import workload_class
 
     dash = _dash(request)
@@ -208,8 +207,8 @@ def submit_job(request: Request, body: JobBody) -> dict[str, Any]:
     if body.nodes < 0:
         raise UserError(f"nodes must be 0 (the cluster's default) or more, not {body.nodes}")
     flags = {**body.settings, "run.cluster": dash.cluster.name if dash.cluster_named else None}
-    req = LaunchRequest(workload=body.workload, flags=flags, config_path=dash.config_path)
-    r = submit(req, nodes=body.nodes, name=body.name, events=Events(), handle=Handle())
+    req = LaunchRequest(workload=body.workload, flags=flags, config_path=dash.config_path, nodes=body.nodes)
+    r = submit(req, name=body.name, events=Events(), handle=Handle())
     return dataclasses.asdict(r)
 
 

@@ -271,8 +271,7 @@ def test_autostop_stops_the_workers_then_the_master_and_submit_starts_them_again
     """Idle for 3 s: h1 is stopped, then h0 (the last call). Then a job submitted to the gcp cluster starts
     both again (the master first), waits for them, and runs: `dtrain submit`'s function, called here so
     that the startup script's ready file can be put where this machine's other tests do not look."""
-    from dtrain.control.launch import LaunchRequest
-    from dtrain.control.slurm.submit import submit
+    from dtrain.control.launch import LaunchRequest, submit
 
     sb = bed.sb
     with Cloud(bed, autostop="3s") as cloud:
@@ -290,7 +289,7 @@ def test_autostop_stops_the_workers_then_the_master_and_submit_starts_them_again
         flags = {"run.cluster": "bed", "run.output": str(bed.runs), "run.nproc": 1, "mnist.dataset": "fashion-mnist",
                  "mnist.epochs": 1, "mnist.train_split": "train[:2000]"}  # fmt: skip
         events = Collector()
-        r = submit(LaunchRequest(workload="mnist", flags=flags, config_path=config), nodes=1, events=events,
+        r = submit(LaunchRequest(workload="mnist", flags=flags, config_path=config, nodes=1), events=events,
                    handle=Handle())  # fmt: skip
         starts = [p.split("/")[-2] for m, p, _ in cloud.world.requests if m == "POST" and p.endswith("/start")]
         assert starts == ["h0", "h1"], starts  # the master first

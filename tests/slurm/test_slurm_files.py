@@ -94,8 +94,8 @@ RUN_ID = "mnist-20260101-000000-abcd"
 
 
 def files(c: Cluster, *, resumed: bool = False, nodes: int = 2, time: str = "", **plan: Any) -> script.BatchFiles:
-    """A built-in's job (as launch.builtin_plan makes it): its module under torchrun with its flags, no working
-    directory, and its run on the cluster's shared filesystem."""
+    """A built-in's job (as launch.builtin_job makes it): its module under torchrun with its flags, no working
+    directory, its own config.json, and its run on the cluster's shared filesystem."""
     from dtrain.common.storage import open_store
     from dtrain.control import launchers
     from dtrain.control.program import MODULE, Job, Program
@@ -103,9 +103,9 @@ def files(c: Cluster, *, resumed: bool = False, nodes: int = 2, time: str = "", 
 
     url = f"/shared/runs/{RUN_ID}"
     args = ("--resume", url, "--run-dir", url) if resumed else ("--run-id", RUN_ID, "--run-dir", url)
-    job = Job(name="mnist", program=Program(kind=MODULE, target="dtrain.mnist.train", args=args), builtin="mnist")
+    job = Job(name="mnist", program=Program(kind=MODULE, target="dtrain.mnist.train", args=args))
     t = Target(RUN_ID, open_store(url), 2 if resumed else 0, resumed)
-    p = launchers.Plan(job=job, target=t, cluster=c, nproc=0, **plan)
+    p = launchers.Plan(job=job, target=t, cluster=c, nproc=0, own_config=True, **plan)
     return script.program_files(p, job_dir=f"/home/u/dtrain/runs/{RUN_ID}", name="lr-3e-3", nodes=nodes,
                                 interactive=False, gpus_per_node=1, config=None, time=time)  # fmt: skip
 

@@ -1,5 +1,5 @@
 """The LoRA built-in on the real Slurm of the test bed (tests/slurm/conftest.py), through the same path as a
-user's program (launch.builtin_plan, slurm.programs): two nodes under torchrun, its checkpoints written on each
+user's program (launch.builtin_job, slurm.programs): two nodes under torchrun, its checkpoints written on each
 node and copied to the run's ckpt/, `dtrain cancel` checkpoints and stops it, and `dtrain submit lora --resume`
 puts the newest complete copy back and continues it to the end. Needs root, like the other Slurm tests."""
 

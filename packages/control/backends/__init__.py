@@ -16,6 +16,8 @@ and, where it provisions machines (`provisions = True`):
     up(cfg, *, events, handle, confirm, ...)       -> gcp.lifecycle.UpResult
     down(cfg, *, events, handle, confirm, ...)     -> gcp.lifecycle.DownResult
     status(cfg)                                    -> gcp.lifecycle.StatusResult
+    ensure_running(cfg, *, events, handle)         -> bool: a stopped cluster (autostop) started, and its
+                                                      record's addresses refreshed; whether it started any
 
 The `...` are the commands' own flags as keyword arguments (next_zone, keep, ...; no options object).
 
@@ -84,6 +86,14 @@ def provisioning(cfg: ClusterConfig, verb: str) -> Any:
             "[clusters.NAME] in dtrain.toml"
         )
     return backend
+
+
+def start_if_stopped(cfg: ClusterConfig, *, events: Any, handle: Any) -> bool:
+    """Start the cluster of `cfg` if its backend made it and it is stopped (autostop, or stopped by hand); whether
+    anything was started (its nodes' addresses may have changed). The one place every command that runs work
+    on a cluster (dtrain.control.launch.resolve) starts it."""
+    backend = get(cfg.backend)
+    return bool(backend.provisions and backend.ensure_running(cfg, events=events, handle=handle))
 
 
 def base_dir(cfg: ClusterConfig) -> Path:

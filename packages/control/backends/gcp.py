@@ -203,8 +203,8 @@ class Gcp:
         return result
 
     def ensure_running(self, cfg: ClusterConfig, *, events: Any, handle: Any) -> bool:
-        """Start a stopped cluster before a job is submitted to it (dtrain.control.gcp.lifecycle); whether
-        anything was started."""
+        """Start a stopped cluster before a job runs on it (dtrain.control.gcp.lifecycle; called through
+        backends.start_if_stopped); whether anything was started."""
         from dtrain.control.gcp import lifecycle
 
         return lifecycle.ensure_running(cfg, events=events, handle=handle)

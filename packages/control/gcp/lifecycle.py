@@ -983,7 +983,7 @@ def status(cfg: ClusterConfig, *, now: Any = None) -> StatusResult:
 def ensure_running(cfg: ClusterConfig, *, events: Events, handle: Handle, missing_ok: bool = False) -> bool:
     """Start the cluster's stopped VMs (the master first), wait until they are ready, and refresh the
     record's addresses (a VM without a static address gets a new external IP at each start). What
-    `dtrain submit` and `dtrain up` do first. Returns whether anything was started. `missing_ok`: deleted
+    `dtrain train`, `submit` and `up` do first. Returns whether anything was started. `missing_ok`: deleted
     VMs are left to Terraform (`dtrain up` recreates them) instead of being an error."""
     from dtrain.control.gcp.instances import RUNNING, start_cluster
     from dtrain.control.gcp.record import read_record, write_record

@@ -21,10 +21,12 @@ guessed from its name or its cluster's Slurm: a command asks `has(cluster, Featu
 one that needs a feature its cluster lacks, in one line that names both.
 
 The built-in examples (dtrain mnist, lora) are Plans like any user's program: a module run under torchrun
-(their `Builtin.module`) with their own flags, its run placed as a program's (`Plan.target`); nothing here
-names them. They run exactly as a user's script does on every launcher (userjob.run_program_here,
-remote_program.launch_program_cluster, slurm.programs.run_program: the same contract, their checkpoints in
-$DTRAIN_CHECKPOINT_DIR, copied to the run's ckpt/ where that is not the run's own folder).
+(their `Builtin.module`) with their own flags, its run placed as a program's (`Plan.target`), made so by the
+front door (dtrain.control.launch.builtin_job); nothing here or below names them. They run exactly as a
+user's script does on every launcher (userjob.run_program_here, remote_program.launch_program_cluster,
+slurm.programs.run_program: the same contract, their checkpoints in $DTRAIN_CHECKPOINT_DIR, copied to the
+run's ckpt/ where that is not the run's own folder). What differs is data the front door put in the Plan:
+`own_config` (the program writes its run's config.json itself) and `line`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ class Plan:
     job: Job
     target: Target  # the run: its id, its store, its starts so far
     cluster: Cluster
+    # The program writes its run's config.json itself, with its whole resolved config (dtrain's built-ins);
+    # else dtrain writes it when a new run starts (userjob.program_config), and the run is a program run.
+    own_config: bool = False
+    line: str = ""  # the program's line as the launch message shows it ("": none, as for a built-in's flags)
     nproc: int = 0  # processes per node for torchrun (0: one per GPU, or 2 on CPU)
     max_restarts: int = 0
     hang_timeout: float | None = None  # the node agents' hang timeout: None from the step time, 0 off (docs/hangs.md)

@@ -1,12 +1,11 @@
 """A user's own program as a Slurm job: `dtrain submit train.py ...` (queued: the job id back at once) and
 `dtrain train train.py --cluster <a Slurm cluster>` (through an allocation, followed live). A built-in
-(`dtrain submit mnist`) is the same kind of job (launch.builtin_plan): its module under torchrun, dtrain's own
+(`dtrain submit mnist`) is the same kind of job (launch.builtin_job): its module under torchrun, dtrain's own
 code and no working directory. One batch step (dtrain.common.slurmstep), one node agent, the SSH contract.
 
-    req = ProgramRequest(job=job, flags={"run.cluster": "demo"})
-    result = submit_program(req, name="lr-3e-3", events=..., handle=...)   # SubmitResult: the job id
-    result = submit_plan(builtin_plan(req, resolve(req)), events=...)      # a built-in (slurm.submit.submit)
-    result = run_program(plan, events=..., handle=...)                     # launchers.slurm, for `dtrain train`
+    plan = launch.resolve(LaunchRequest(job=job, flags={"run.cluster": "demo"}), events=..., handle=...)
+    result = submit_plan(plan, name="lr-3e-3", events=...)   # SubmitResult: the job id (launch.submit)
+    result = run_program(plan, events=..., handle=...)       # launchers.slurm, for `dtrain train`
 
 How the pieces reach the nodes:
 
@@ -42,27 +41,11 @@ from dtrain.control.slurm.session import JobRecord, Session
 from dtrain.control.slurm.submit import SubmitResult, job_gpus, sbatch_job, ship_files, survey
 
 
-def submit_program(req: Any, *, name: str = "", events: Events, handle: Handle) -> SubmitResult:
-    """Queue the program of `req` (a userjob.ProgramRequest) as a Slurm job on its cluster; returns at once."""
-    from dtrain.control import backends
-    from dtrain.control.settings import get_cluster, load_settings
-    from dtrain.control.userjob import program_plan
-
-    # Refusals first (a script that is not there, container mode), before anything is reached or started.
-    plan = program_plan(req)
-    cfg = get_cluster(load_settings(req.config_path, req.flags))
-    start = getattr(backends.get(cfg.backend), "ensure_running", None)
-    # A provisioning backend's cluster may be stopped (autostop): start it first; its addresses may change.
-    if start is not None and start(cfg, events=events, handle=handle):
-        plan = program_plan(req)
-    return submit_plan(plan, name=name, events=events)
-
-
-def submit_plan(plan: Any, *, nodes: int = 0, name: str = "", events: Events) -> SubmitResult:
-    """Queue a launchers.Plan (a user's program, or a built-in: launch.builtin_plan) on its Slurm cluster, on
-    `nodes` nodes (0: the job's, else the cluster table's); returns at once with the job id."""
+def submit_plan(plan: Any, *, name: str = "", events: Events) -> SubmitResult:
+    """Queue a launchers.Plan (`dtrain submit`: dtrain.control.launch.submit) on its Slurm cluster, on the job's
+    nodes (0: the cluster table's); returns at once with the job id."""
     with Session(plan.cluster, accept_new_host_keys=plan.accept_new_host_keys) as s:
-        return _submit(s, plan, name=name, interactive=False, events=events, nodes=nodes)[0]
+        return _submit(s, plan, name=name, interactive=False, events=events)[0]
 
 
 def run_program(plan: Any, *, events: Events, handle: Handle) -> Any:
@@ -74,19 +57,18 @@ def run_program(plan: Any, *, events: Events, handle: Handle) -> Any:
         return attend(s, sub, rec, t0, what=plan.job.name, events=events, handle=handle)
 
 
-def _submit(
-    s: Session, plan: Any, *, name: str, interactive: bool, events: Events, nodes: int = 0
-) -> tuple[SubmitResult, JobRecord]:
+def _submit(s: Session, plan: Any, *, name: str, interactive: bool, events: Events) -> tuple[SubmitResult, JobRecord]:
     """Check the job against Slurm's partition, ship dtrain's node code and the job's files, sync the working
     directory, sbatch: four SSH round trips (the survey; the files; the sync, to each host at once; sbatch). A
-    built-in has no working directory (its code is dtrain's, in the job's files) and writes its own config.json."""
+    program without a working directory (a built-in) is dtrain's code, in the job's files; one that writes its own
+    config.json (plan.own_config) gets none from here."""
     from dtrain.common.nproc import processes
     from dtrain.control.remote_program import sync_excludes, sync_workdir
     from dtrain.control.slurm.script import program_files
     from dtrain.control.userjob import program_config
 
     job, t, cluster, spec = plan.job, plan.target, s.cluster, s.spec
-    nodes = nodes or job.nodes or spec.nodes or (len(cluster.nodes) if spec.managed else 1)
+    nodes = job.nodes or spec.nodes or (len(cluster.nodes) if spec.managed else 1)
     partition, members = survey(s, nodes, events)
     gpus = job_gpus(s, members)
     if plan.nproc and job.program.under_torchrun:  # checked against the partition's smallest node
@@ -99,7 +81,7 @@ def _submit(
         )
     name = name or job.name
     job_dir = f"{s.workdir}/runs/{t.run_id}"
-    config = None if job.builtin else program_config(t, job, cluster=cluster.name, nodes=nodes, nproc=None)
+    config = None if plan.own_config else program_config(t, job, cluster=cluster.name, nodes=nodes, nproc=None)
     files = program_files(
         plan,
         job_dir=job_dir,
@@ -110,7 +92,7 @@ def _submit(
         config=config,
         time=getattr(job, "time", ""),
     )
-    kind = "" if job.builtin else "program"
+    kind = "" if plan.own_config else "program"
     rec = JobRecord("", name, job.name, t.run_id, t.run.url, job_dir, nodes, time.time(), cluster.name, kind=kind)
     ship_files(s, rec, files)
     if job.workdir is not None:
@@ -123,4 +105,4 @@ def _submit(
     return result, rec
 
 
-__all__ = ["submit_program", "submit_plan", "run_program"]
+__all__ = ["submit_plan", "run_program"]

@@ -155,7 +155,7 @@ def program_files(
     time: str = "",
 ) -> BatchFiles:
     """The batch script and job.json of a job (`plan`: a launchers.Plan with its run: a user's program, or a
-    built-in: launch.builtin_plan). job.json's `program` table says what the batch step and each node's step do
+    built-in: launch.builtin_job). job.json's `program` table says what the batch step and each node's step do
     for it (dtrain.common.slurmstep.program_started, node_program_spec): whether it has a working directory (a
     built-in has none: no requirements, dtrain's code), the project's setup commands and each node's base
     interpreter (requirements are installed on the nodes), the starts before this job, whether the job's
@@ -168,7 +168,7 @@ def program_files(
     specs = {key: program_template(plan, node) for key, node in members.items()}
     job = {
         "version": 1,
-        "kind": "builtin" if plan.job.builtin else "program",
+        "kind": "builtin" if plan.own_config else "program",
         "workload": plan.job.name,
         "run_id": plan.target.run_id,
         "run_url": plan.target.run.url,

@@ -1,8 +1,8 @@
-"""Queue a job on a cluster with Slurm and return at once with its job id: a built-in (`submit`, the same job
-as a user's program: dtrain.control.slurm.programs.submit_plan) or one module on one node (`submit_module`,
-an evaluation). The steps every submission shares: the survey of the login node and its partition
-(`survey`), the GPUs a job asks of each node (`job_gpus`), its files shipped (`ship_files`) and sbatch with
-its job-table entry (`sbatch_job`).
+"""Queue a job on a cluster with Slurm and return at once with its job id: any job (dtrain.control.launch.submit,
+through dtrain.control.slurm.programs.submit_plan) or one module on one node (`submit_module`, an evaluation).
+The steps every submission shares: the survey of the login node and its partition (`survey`), the GPUs a job
+asks of each node (`job_gpus`), its files shipped (`ship_files`) and sbatch with its job-table entry
+(`sbatch_job`).
 """
 
 from __future__ import annotations
@@ -11,18 +11,14 @@ import dataclasses
 import json
 import shlex
 import time
-from typing import TYPE_CHECKING
 
 from dtrain.common.errors import UserError
 from dtrain.control.cluster import Cluster
-from dtrain.control.events import Events, Handle
+from dtrain.control.events import Events
 from dtrain.control.slurm.commands import SINFO_NODES, SlurmNode, parse_nodes
 from dtrain.control.slurm.script import BatchFiles, tar_of
 from dtrain.control.slurm.session import JOBS_DIR, JobRecord, Session
 from dtrain.control.slurm.spec import MANAGED_PARTITION
-
-if TYPE_CHECKING:
-    from dtrain.control.launch import LaunchRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,23 +32,6 @@ class SubmitResult:
     nodes: int
     partition: str
     resuming: bool
-
-
-def submit(req: LaunchRequest, *, nodes: int = 0, name: str = "", events: Events, handle: Handle) -> SubmitResult:
-    """Queue `req`'s built-in as a Slurm job on its cluster and return at once with the job id: the same job as a
-    user's program (launch.builtin_plan, slurm.programs.submit_plan)."""
-    from dtrain.control import backends
-    from dtrain.control.launch import builtin_plan, resolve
-    from dtrain.control.settings import get_cluster
-    from dtrain.control.slurm.programs import submit_plan
-
-    r = resolve(req)
-    cfg = get_cluster(r.settings)
-    start = getattr(backends.get(cfg.backend), "ensure_running", None)
-    # A provisioning backend's cluster may be stopped (autostop): start it first; its addresses may change.
-    if start is not None and start(cfg, events=events, handle=handle):
-        r = resolve(req)
-    return submit_plan(builtin_plan(req, r), nodes=nodes, name=name, events=events)
 
 
 def survey(s: Session, nodes: int, events: Events) -> tuple[str, list[SlurmNode]]:
