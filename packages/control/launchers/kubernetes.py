@@ -214,7 +214,7 @@ class OnKubernetes:
         name, url = manifest["metadata"]["name"], t.run.child(rel).url
         t.run.write_bytes(rel, (to_yaml(manifest) + "\n").encode())
         nodes = len(plan.cluster.nodes)
-        if not t.resumed and not job.builtin:  # a built-in writes its own when it starts in the pod
+        if not t.resumed and not plan.own_config:  # a built-in writes its own when it starts in the pod
             write_json(t.run, "config.json", program_config(t, job, cluster=plan.cluster.name, nodes=nodes,
                                                             nproc=int(manifest["spec"]["nprocPerNode"])))  # fmt: skip
         apply = apply_line(url)
