@@ -13,9 +13,7 @@ Needs root (skips otherwise; CI runs as root)."""
 from __future__ import annotations
 
 import json
-import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,9 +22,9 @@ from stacks import make_stack_project, resumed_at, saved_in, step_losses
 from dtrain.common.storage import open_store
 
 from .bed import Testbed
-from .test_launch import bucket, host_processes, job_processes
+from .test_launch import bucket
 from .test_user_programs import dtrain
-from .test_user_trainer import Started, on_h0, run_of
+from .test_user_trainer import Started, kill_once_copied, on_h0
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -63,24 +61,7 @@ def test_a_stacks_script_on_two_hosts_killed_mid_run_resumes_from_the_runs_copy(
     base = ["train", "train.py", "--cluster", "bed", "--nproc", str(nproc), "--output", out, "--checkpoint-dir", "out"]
     # A pause after each step (0.2 s: 2 s between saves) gives time to see a copy and kill mid-way.
     job = Started(cwd, emulator, *base, "--", *args, "--sleep", "0.2")
-    deadline, rid = time.monotonic() + 240, None
-    while time.monotonic() < deadline:
-        rid = rid or run_of(job.output)
-        if rid and copied(stack, out, rid) >= 2 * SAVE_EVERY:
-            break
-        assert job.proc.poll() is None, job.output[-4000:]
-        time.sleep(0.2)
-    else:
-        job.proc.kill()
-        pytest.fail(f"no copy of step {2 * SAVE_EVERY} or later within 240 s:\n{job.output[-4000:]}")
-    job.proc.send_signal(signal.SIGKILL)  # the launcher dies: the agents stop the job and copy its folder last
-    job.proc.wait()
-    workers = lambda: host_processes(testbed, lambda cmd: "train.py" in cmd)  # noqa: E731
-    deadline = time.monotonic() + 60
-    while (any(job_processes(testbed).values()) or any(workers().values())) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not any(job_processes(testbed).values()), job_processes(testbed)
-    assert not any(workers().values()), workers()
+    rid = kill_once_copied(job, testbed, lambda rid: copied(stack, out, rid), 2 * SAVE_EVERY, timeout=240)
     last_copy = copied(stack, out, rid)
     assert 2 * SAVE_EVERY <= last_copy < STEPS, last_copy
 
