@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runs import CLI, assert_no_workers_left, dtrain, env, start
+from runs import CLI, assert_no_workers_left, dtrain, env, free_port, processes_in, start
 from stacks import make_stack_project, make_trl_project, resumed_at, saved_in, step_losses, trl_losses
 from trainer_project import complete_checkpoints
 
@@ -112,7 +112,9 @@ def test_trl_sft_killed_mid_run_resumes_from_the_runs_copy_of_its_checkpoint(tmp
     carries on from N: its first loss is the one the killed run logged for step N+1, and it logs the rest."""
     project = make_trl_project(tmp_path / "proj")
     out = tmp_path / "out"
-    proc = subprocess.Popen([*CLI, "train", "--checkpoint-dir", "out", "--output", str(out), "--", *SFT], cwd=project,
+    # accelerate's rendezvous port, free here: its default, 29500, is any other job's on this machine too.
+    sft = [*SFT[:2], "--main_process_port", str(free_port()), *SFT[2:]]
+    proc = subprocess.Popen([*CLI, "train", "--checkpoint-dir", "out", "--output", str(out), "--", *sft], cwd=project,
                             env=env(**FAST, **OFFLINE), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     seen: list[str] = []
@@ -132,7 +134,10 @@ def test_trl_sft_killed_mid_run_resumes_from_the_runs_copy_of_its_checkpoint(tmp
     os.killpg(proc.pid, signal.SIGKILL)  # everything at once: the launcher, trl, accelerate's workers
     proc.wait()
     reader.join(10)
-    assert_no_workers_left([run])
+    deadline = time.monotonic() + 30
+    while processes_in(project) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_in(project)  # trl, accelerate's launcher and its workers all ended
     last_copy = copied_hf(run)
     assert 20 <= last_copy < TRL_STEPS, last_copy
     before = trl_losses("".join(seen))
