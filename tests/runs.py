@@ -85,6 +85,20 @@ def assert_no_workers_left(run_dirs: list[Path]) -> None:
         assert run.name not in out, f"processes of {run.name} are still running:\n{out}"
 
 
+def processes_in(folder: Path) -> list[str]:
+    """The processes working in `folder` (a run's workers there, whatever started them), as command lines."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if Path(os.readlink(proc / "cwd")).resolve() == folder.resolve():
+                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+    return found
+
+
 def run_dir_of(cwd: Path, proc: subprocess.Popen) -> Path:
     """The one run directory under cwd/runs, once the run has made it."""
     runs = cwd / "runs"

@@ -23,8 +23,9 @@ restored. A manifest takes a file only once it is known to be whole, and never a
 job has open for writing:
 - a checkpoint folder whose format says when it is whole (dtrain's step-N once its meta.json lists every
   file at its size; HF Trainer's checkpoint-N once trainer_state.json, written last, is there; a path the
-  program marked with dtrain.sdk.checkpoint_saved, while its files are as marked) is taken at the first
-  scan that finds it so, whatever else in the directory is still changing;
+  program marked with dtrain.sdk.checkpoint_saved, while its files are as marked), and a single-file
+  checkpoint (PyTorch Lightning's `.ckpt`, once closed; after a kill, not), is taken at the first scan that
+  finds it so, whatever else in the directory is still changing;
 - the rest of the directory is taken as one: when no temporary file is being written (a save under way)
   and either each changed file arrived by a rename (a new inode: `torch.save` to a temporary name, then
   `os.replace`), or it is a lone file (after a kill, not: a closed file may be one cut off mid-write), or
@@ -82,6 +83,10 @@ _DTRAIN_STEP_RE = re.compile(r"step-\d{8}")
 DTRAIN_META = "meta.json"
 _HF_CHECKPOINT_RE = re.compile(r"checkpoint-\d+")
 HF_TRAINER_STATE = "trainer_state.json"
+# Checkpoint files that are whole checkpoints on their own: PyTorch Lightning's (ModelCheckpoint writes each as one
+# `.ckpt`, to a temporary file moved into place, mostly under a new name, where no earlier inode tells a rename).
+# Whole once closed, unless the job was killed (then one written in place may be cut off).
+SINGLE_FILE_SUFFIX = ".ckpt"
 # What dtrain.sdk.checkpoint_saved writes at the root of the checkpoint directory: {"units": {path: {file:
 # [size, mtime_ns]}}}, each path (a file or a folder) a checkpoint the program says is whole, as it stood.
 # Hidden, so it is never copied itself.
@@ -268,15 +273,15 @@ class Mirror:
         """(files to copy as they are now, files whose last copy stands in for them, files waiting).
 
         A checkpoint folder that says it is whole (dtrain's step-N with its meta.json, HF Trainer's
-        checkpoint-N with its trainer_state.json, a path the program marked with dtrain.sdk.checkpoint_saved)
-        is copied as soon as it is, whatever else is still changing. The rest (other files, and such folders
-        not whole yet) go together, as one checkpoint, when none is open for writing, no temporary file is,
-        and either each changed file arrived by a rename, or there is only one file, or every file is settled
-        (the settle rule, on settle scans); otherwise the rest keeps its last copy, so no copy mixes a new file
-        with an old one of another save."""
+        checkpoint-N with its trainer_state.json, a path the program marked with dtrain.sdk.checkpoint_saved),
+        or a closed single-file checkpoint (a `.ckpt`, not after a kill), is copied as soon as it is, whatever
+        else is still changing. The rest (other files, and such folders not whole yet) go together, as one
+        checkpoint, when none is open for writing, no temporary file is, and either each changed file arrived
+        by a rename, or there is only one file, or every file is settled (the settle rule, on settle scans);
+        otherwise the rest keeps its last copy, so no copy mixes a new file with an old one of another save."""
         take: list[str] = []
         whole_units: list[str] = []
-        for prefix, (members, whole) in _units(self.local_dir, keys).items():
+        for prefix, (members, whole) in _units(self.local_dir, keys, killed=not lone_is_whole).items():
             if whole and not members & busy:
                 take += members
                 whole_units.append(prefix)
@@ -713,8 +718,9 @@ def _content_of(entry: dict[str, Any] | None) -> tuple[int, int] | None:
     return None if entry is None else (entry["size"], entry["mtime_ns"])
 
 
-def _units(local_dir: Path, keys: dict[str, _Key]) -> dict[str, tuple[set[str], bool]]:
-    """The checkpoint folders (and marked paths) that say when they are whole: prefix -> (its files, whole)."""
+def _units(local_dir: Path, keys: dict[str, _Key], *, killed: bool) -> dict[str, tuple[set[str], bool]]:
+    """The checkpoint folders, single-file checkpoints and marked paths that say when they are whole: prefix ->
+    (its files, whole). killed: the job was killed, so a closed single-file checkpoint may be cut off."""
     units: dict[str, tuple[set[str], bool]] = {}
     marked = _sdk_units(local_dir)
     for prefix, listed in marked.items():
@@ -722,11 +728,14 @@ def _units(local_dir: Path, keys: dict[str, _Key]) -> dict[str, tuple[set[str], 
         units[prefix] = (members, bool(members) and {rel: list(keys[rel][:2]) for rel in members} == listed)
     for rel in keys:
         parts = rel.split("/")
-        for i, part in enumerate(parts[:-1]):
+        for i, part in enumerate(parts):
             prefix = "/".join(parts[: i + 1])
             if prefix in units or any(_under(prefix, p) for p in marked):
                 break
-            if _DTRAIN_STEP_RE.fullmatch(part) or _HF_CHECKPOINT_RE.fullmatch(part):
+            if i == len(parts) - 1:
+                if part.endswith(SINGLE_FILE_SUFFIX):
+                    units[prefix] = ({rel}, not killed)
+            elif _DTRAIN_STEP_RE.fullmatch(part) or _HF_CHECKPOINT_RE.fullmatch(part):
                 members = {r for r in keys if _under(r, prefix)}
                 units[prefix] = (members, _format_whole(local_dir, prefix, part, members, keys))
                 break

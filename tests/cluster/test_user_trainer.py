@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,31 @@ def workers(bed: Testbed) -> dict[str, list[str]]:
     return host_processes(bed, lambda cmd: "train.py" in cmd)
 
 
+def kill_once_copied(job: Started, bed: Testbed, copied: Callable[[str], int], at_least: int, timeout: float) -> str:
+    """Waits until the run's copy holds a checkpoint of step `at_least` or later (`copied(run id)`), SIGKILLs the
+    launcher (the agents stop the job and copy its folder last) and waits until no process of the job is left on
+    any host: the run's id."""
+    deadline = time.monotonic() + timeout
+    rid = None
+    while time.monotonic() < deadline:
+        rid = rid or run_of(job.output)
+        if rid and copied(rid) >= at_least:
+            break
+        assert job.proc.poll() is None, job.output[-4000:]
+        time.sleep(0.2)
+    else:
+        job.proc.kill()
+        pytest.fail(f"no copy of step {at_least} or later within {timeout} s:\n{job.output[-4000:]}")
+    job.proc.send_signal(signal.SIGKILL)
+    job.proc.wait()
+    deadline = time.monotonic() + 60
+    while (any(job_processes(bed).values()) or any(workers(bed).values())) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(job_processes(bed).values()), job_processes(bed)
+    assert not any(workers(bed).values()), workers(bed)
+    return rid
+
+
 def test_trainer_script_on_two_hosts_killed_mid_run_resumes_to_the_uninterrupted_weights(
     cwd: Path, emulator: str, testbed: Testbed
 ):
@@ -112,24 +138,7 @@ def test_trainer_script_on_two_hosts_killed_mid_run_resumes_to_the_uninterrupted
     assert status["state"] == "completed"
 
     job = Started(cwd, emulator, *base, "--", *SLOW_ARGS)
-    deadline = time.monotonic() + 300
-    rid = None
-    while time.monotonic() < deadline:
-        rid = rid or run_of(job.output)
-        if rid and copied(out, rid) >= 20:
-            break
-        assert job.proc.poll() is None, job.output[-4000:]
-        time.sleep(0.2)
-    else:
-        job.proc.kill()
-        pytest.fail(f"no copy of checkpoint-20 or later within 300 s:\n{job.output[-4000:]}")
-    job.proc.send_signal(signal.SIGKILL)  # the launcher dies: the agents stop the job and copy its folder last
-    job.proc.wait()
-    deadline = time.monotonic() + 60
-    while (any(job_processes(testbed).values()) or any(workers(testbed).values())) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not any(job_processes(testbed).values()), job_processes(testbed)
-    assert not any(workers(testbed).values()), workers(testbed)
+    rid = kill_once_copied(job, testbed, lambda rid: copied(out, rid), 20, timeout=300)
     last_copy = copied(out, rid)
     assert 20 <= last_copy < STEPS, last_copy
 

@@ -582,3 +582,33 @@ def test_the_thread_copies_a_whole_checkpoint_long_before_the_settle_interval(tm
         assert manifests(store) == ["node-00000/00000001.json"]
     finally:
         m.close()
+
+
+def test_lightning_checkpoint_files_are_each_whole_when_closed_even_under_new_names(tmp_path):
+    """PyTorch Lightning saves each checkpoint as one `.ckpt` file, written to a temporary file elsewhere and
+    moved into place, and most under a new name (`epoch=1-step=20.ckpt`) beside `last.ckpt`: a new name has no
+    earlier inode to tell a rename by, so such a folder waited for the settle rule and, saved every few seconds,
+    was copied only when the run ended. A closed `.ckpt` is one whole checkpoint: copied at the first scan; one
+    open for writing is not, nor, after a kill, one that may have been cut off."""
+    local, store, elsewhere = tmp_path / "local", ckpt_store(tmp_path), tmp_path / "tmp"
+    local.mkdir()
+    elsewhere.mkdir()
+    m = Mirror(local, store, node=0, interval_s=60, log=lambda _: None)
+
+    def save(name: str, data: bytes) -> None:
+        (elsewhere / "x").write_bytes(data)
+        os.replace(elsewhere / "x", local / name)
+
+    save("epoch=0-step=10.ckpt", b"s10")
+    save("last.ckpt", b"s10")
+    assert m.sync(quick=True).manifest == 1
+    save("epoch=1-step=20.ckpt", b"s20")
+    save("last.ckpt", b"s20")
+    with open(local / "epoch=2-step=30.ckpt", "wb") as half:  # a writer still at it: not taken
+        half.write(b"s3")
+        half.flush()
+        assert m.sync(quick=True).manifest == 2
+    files = manifest(store, 0, 2)["files"]
+    assert sorted(files) == ["epoch=0-step=10.ckpt", "epoch=1-step=20.ckpt", "last.ckpt"]
+    assert files["last.ckpt"]["sha256"] == sha(b"s20")
+    assert m.close(final=False).manifest is None  # killed: the closed epoch=2-step=30.ckpt may be cut off

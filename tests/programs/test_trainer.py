@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runs import dtrain, start
+from runs import dtrain, processes_in, start
 from trainer_project import complete_checkpoints, digest, losses, make_trainer_project, resumed_from
 
 # Copies every 0.5 s: a Trainer checkpoint is several files written one after another within
@@ -39,20 +39,6 @@ def copied(run: Path) -> int:
     """The newest whole Trainer checkpoint in the newest manifest of the run's copy (0: none yet)."""
     found = sorted((run / "ckpt" / "node-00000").glob("0*.json")) if (run / "ckpt").exists() else []
     return max(complete_checkpoints(found[-1].read_text()), default=0) if found else 0
-
-
-def processes_in(folder: Path) -> list[str]:
-    """The processes working in `folder` (torchrun's workers of a run there), as command lines."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if Path(os.readlink(proc / "cwd")).resolve() == folder.resolve():
-                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except OSError:
-            continue
-    return found
 
 
 @pytest.fixture
