@@ -572,8 +572,14 @@ class NodeAgents:
             self.procs[node.name] = p
             if self.logs is not None:
                 self.logs.write(node.name, f"dtrain: job started on {node.describe()} in {run_dir(node, self.run_id)}")
-            p.stdin.write((json.dumps(self.specs[node.name]) + "\n").encode())  # type: ignore[union-attr]
-            p.stdin.flush()  # type: ignore[union-attr]
+            # A connection that ended at once (ssh refused, a node gone) has closed its end: the write fails, and
+            # its exit code, taken like any other node's, says what happened.
+            try:
+                p.stdin.write((json.dumps(self.specs[node.name]) + "\n").encode())  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
+            except BrokenPipeError:
+                with contextlib.suppress(OSError):  # its unsent bytes dropped with it
+                    p.stdin.close()  # type: ignore[union-attr]
             threading.Thread(target=self._read, args=(node.name, p), daemon=True).start()
 
     def _read(self, name: str, p: subprocess.Popen) -> None:
