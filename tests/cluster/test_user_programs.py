@@ -50,10 +50,18 @@ def cwd(testbed: Testbed, known_hosts: Path, emulator: str, tmp_path_factory: py
     return d
 
 
-def dtrain(cwd: Path, emulator: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*CLI, *args], cwd=cwd, env={**cli_env(cwd, emulator), **FAST}, capture_output=True, text=True, timeout=timeout
-    )
+def dtrain(cwd: Path, emulator: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`dtrain ARGS` to its end. Past `timeout` (under the tests' own 300 s, so that a hung run is seen, with
+    what it printed: stop 35's CI lost a Trainer run's output to pytest's timeout) the test fails with its output."""
+    try:
+        return subprocess.run(
+            [*CLI, *args], cwd=cwd, env={**cli_env(cwd, emulator), **FAST}, capture_output=True, text=True,
+            timeout=timeout,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        out = [x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr)]
+        said = f"{out[0][-4000:]}\n{out[1][-2000:]}"
+        pytest.fail(f"dtrain {' '.join(args)} ran past {timeout:.0f} s; it printed:\n{said}")
 
 
 def start(cwd: Path, emulator: str, *args: str) -> subprocess.Popen:
