@@ -169,7 +169,7 @@ def builtin_job(req: LaunchRequest, settings: Any, output: str) -> tuple[Any, Jo
     from dtrain.control.program import MODULE, Job, Program
     from dtrain.control.remote import node_paths
     from dtrain.control.settings import load_settings
-    from dtrain.control.userjob import Target
+    from dtrain.control.userjob import Target, resumed_target
     from dtrain.control.workloads import builtin
 
     workload = req.workload
@@ -186,8 +186,7 @@ def builtin_job(req: LaunchRequest, settings: Any, output: str) -> tuple[Any, Jo
     # Its flags: the settings given, and where the run lives (`--run-dir`; `--resume` when it continues one).
     explicit = dict(settings.explicit(workload))
     if resumed is not None:
-        status = read_json(resumed, "status.json") or {}
-        target = Target(resumed.url.rstrip("/").rsplit("/", 1)[-1], resumed, int(status.get("starts", 1)), True)
+        target = resumed_target(resumed)
         args = {**explicit, "output": output, "resume": resumed.url, "run_dir": resumed.url}
     else:
         run_id, run = run_location(workload, output, explicit.get("run_id") or "")

@@ -64,10 +64,15 @@ def program_target(job: Job, output: str, run_id: str, resume: str) -> Target:
         if cfg.get("kind") != "program":
             what = cfg.get("workload") or "a built-in"
             raise UserError(f"run {run.url} is a {what} run: resume it with `dtrain train {what} --resume ...`")
-        status = runrecord.read_status(run) or {}
-        return Target(run.url.rstrip("/").rsplit("/", 1)[-1], run, int(status.get("starts", 1)), True)
+        return resumed_target(run)
     rid, run = run_location(run_prefix(job.name), output, run_id)
     return Target(rid, run, 0, False)
+
+
+def resumed_target(run: Store) -> Target:
+    """The run `run`, continued: its id, and the starts its status.json counts (1 where it counts none)."""
+    status = runrecord.read_status(run) or {}
+    return Target(run.url.rstrip("/").rsplit("/", 1)[-1], run, int(status.get("starts", 1)), True)
 
 
 def program_config(t: Target, job: Job, *, cluster: str, nodes: int, nproc: int | None) -> dict[str, Any]:
